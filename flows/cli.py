@@ -1,0 +1,36 @@
+"""The ``ppoflow`` command line: ``ppoflow <command> [args]``.
+
+Commands import their modules lazily, so that a quick command does not pay for Prefect, Ray or MLflow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _list_algorithms(args: argparse.Namespace) -> int:
+    from rl_core.algos import ADVANTAGE_ESTIMATORS, KL_PENALTIES, LOSS_AGG_MODES, POLICY_LOSSES
+
+    print("advantage estimators (algorithm.adv_estimator):      " + ", ".join(sorted(ADVANTAGE_ESTIMATORS)))
+    print("policy losses (actor.policy_loss.loss_mode):          " + ", ".join(sorted(POLICY_LOSSES)))
+    print("loss aggregation (actor.loss_agg_mode):               " + ", ".join(LOSS_AGG_MODES))
+    print("KL penalties (algorithm.kl_penalty, actor.kl_loss_type): " + ", ".join(KL_PENALTIES))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ppoflow", description="RL post-training of LLMs: Prefect flows driving Ray workers, tracked in MLflow.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    algos = commands.add_parser("algos", help="list the registered advantage estimators, policy losses, aggregations and KL penalties")
+    algos.set_defaults(run=_list_algorithms)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
