@@ -19,11 +19,25 @@ def _list_algorithms(args: argparse.Namespace) -> int:
     return 0
 
 
+def _make_tiny_model(args: argparse.Namespace) -> int:
+    from rl_core.models.tiny import make_tiny_model
+
+    folder = make_tiny_model(args.out, seed=args.seed, hidden_size=args.hidden_size, num_layers=args.num_layers)
+    print(f"wrote a tiny Qwen2 checkpoint to {folder} (use it as actor_rollout_ref.model.path={folder})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ppoflow", description="RL post-training of LLMs: Prefect flows driving Ray workers, tracked in MLflow.")
     commands = parser.add_subparsers(dest="command", required=True)
     algos = commands.add_parser("algos", help="list the registered advantage estimators, policy losses, aggregations and KL penalties")
     algos.set_defaults(run=_list_algorithms)
+    tiny = commands.add_parser("make-tiny-model", help="write a tiny Qwen2 model + tokenizer (no download) to OUT")
+    tiny.add_argument("out", help="output folder")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--hidden-size", type=int, default=64)
+    tiny.add_argument("--num-layers", type=int, default=2)
+    tiny.set_defaults(run=_make_tiny_model)
     return parser
 
 

@@ -1,0 +1,149 @@
+"""verl-format RL datasets: parquet or jsonl rows -> tokenized, left-padded prompt batches.
+
+A row::
+
+    data_source   str                          picks the rule scorer (or is passed to a custom one)
+    prompt        list of {"role", "content"}  chat messages (or a plain string: tokenized as raw text)
+    ability       str                          optional
+    reward_model  {"ground_truth": ..., ...}   what the scorer compares against
+    extra_info    dict                         optional, passed to the scorer
+
+Prompts go through the tokenizer's chat template with the generation prompt appended; a plain-string prompt,
+``data.use_chat_template=false``, or a tokenizer without a chat template (common for base models) tokenizes
+the raw text. Prompts longer than ``max_prompt_length`` are dropped (``filter_overlong_prompts``), or cut
+(``truncation`` left|right), or are an error (``truncation=error``). A malformed row is an error naming the
+file, the row and the column.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import torch
+
+from rl_core.algos.config_access import config_get
+from rl_core.batch import Batch
+
+
+class DatasetError(ValueError):
+    """A dataset file or row is unusable; the message names the file, row and column."""
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    """All rows of a .parquet, .jsonl or .json file as dicts."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise DatasetError(f"{path}: no such dataset file")
+    if path.suffix == ".parquet":
+        return pq.read_table(path).to_pylist()
+    if path.suffix in (".jsonl", ".json"):
+        rows = []
+        with path.open() as handle:
+            for number, line in enumerate(handle):
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as error:
+                        raise DatasetError(f"{path}: line {number + 1} is not valid JSON ({error})") from error
+        return rows
+    raise DatasetError(f"{path}: unsupported file type {path.suffix!r}; use .parquet or .jsonl")
+
+
+def write_rows(rows: list[dict], path: str | Path) -> Path:
+    """Write rows as parquet (``.parquet``) or JSON lines (``.jsonl``)."""
+    import pyarrow as pa
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".parquet":
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    else:
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def validate_row(row: dict, where: str, prompt_key: str = "prompt") -> None:
+    """Check the columns every stage needs; ``where`` is "file: row N" for the message."""
+    if not isinstance(row.get("data_source"), str):
+        raise DatasetError(f"{where} has no string 'data_source' column (it picks the reward scorer)")
+    prompt = row.get(prompt_key)
+    if isinstance(prompt, str):
+        pass
+    elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
+        pass
+    else:
+        raise DatasetError(f"{where}: column '{prompt_key}' must be a list of {{'role', 'content'}} messages or a string, got {prompt!r:.80}")
+    reward_model = row.get("reward_model")
+    if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
+        raise DatasetError(f"{where} has no 'reward_model.ground_truth' (needed by the rule and custom reward scorers)")
+
+
+class RLDataset:
+    """Prompt rows of one or more files, tokenized once; ``collate(indices)`` makes a prompt :class:`Batch`."""
+
+    def __init__(self, files: str | list[str], tokenizer: Any, data_config: Any, max_samples: int = -1):
+        self.tokenizer = tokenizer
+        self.prompt_key = config_get(data_config, "prompt_key", "prompt")
+        self.max_prompt_length = int(config_get(data_config, "max_prompt_length", 512))
+        self.truncation = config_get(data_config, "truncation", "error")
+        if self.truncation not in ("error", "left", "right"):
+            raise DatasetError(f"data.truncation={self.truncation!r}; choose error, left or right")
+        self.use_chat_template = bool(config_get(data_config, "use_chat_template", True)) and tokenizer.chat_template is not None
+        filter_overlong = bool(config_get(data_config, "filter_overlong_prompts", False))
+        self.rows: list[dict] = []
+        self.prompt_ids: list[list[int]] = []
+        self.num_filtered = 0
+        for path in [files] if isinstance(files, (str, Path)) else list(files):
+            for number, row in enumerate(read_rows(path)):
+                where = f"{path}: row {number}"
+                validate_row(row, where, self.prompt_key)
+                ids = self.tokenize_prompt(row[self.prompt_key])
+                if len(ids) > self.max_prompt_length:
+                    if filter_overlong:
+                        self.num_filtered += 1
+                        continue
+                    if self.truncation == "error":
+                        raise DatasetError(f"{where}: the prompt has {len(ids)} tokens > data.max_prompt_length={self.max_prompt_length}; "
+                                           f"raise max_prompt_length, set data.filter_overlong_prompts=true or data.truncation=left|right")
+                    ids = ids[-self.max_prompt_length:] if self.truncation == "left" else ids[: self.max_prompt_length]
+                self.rows.append(row)
+                self.prompt_ids.append(ids)
+        if max_samples is not None and max_samples > 0:
+            self.rows, self.prompt_ids = self.rows[:max_samples], self.prompt_ids[:max_samples]
+        if not self.rows:
+            raise DatasetError(f"{files}: no usable rows ({self.num_filtered} filtered as longer than {self.max_prompt_length} tokens)")
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def tokenize_prompt(self, prompt: str | list[dict]) -> list[int]:
+        if isinstance(prompt, str) or not self.use_chat_template:
+            text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
+        else:
+            text = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def collate(self, indices: list[int], uid_prefix: str = "") -> Batch:
+        """Left-pad the prompts of ``indices`` to ``max_prompt_length``; uid = ``uid_prefix`` + row number."""
+        pad_id = self.tokenizer.pad_token_id
+        length = self.max_prompt_length
+        input_ids = torch.full((len(indices), length), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(indices), length), dtype=torch.long)
+        for i, index in enumerate(indices):
+            ids = self.prompt_ids[index]
+            input_ids[i, length - len(ids):] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[i, length - len(ids):] = 1
+        position_ids = torch.clamp(torch.cumsum(attention_mask, dim=-1) - 1, min=0)
+        rows = [self.rows[i] for i in indices]
+        non_tensors = {
+            "data_source": [r["data_source"] for r in rows],
+            "reward_model": [r["reward_model"] for r in rows],
+            "extra_info": [r.get("extra_info") or {} for r in rows],
+            "ability": [r.get("ability", "") for r in rows],
+            "raw_prompt": [r[self.prompt_key] for r in rows],
+            "uid": [f"{uid_prefix}{i}" for i in indices],
+        }
+        return Batch({"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}, non_tensors)

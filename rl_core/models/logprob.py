@@ -1,0 +1,99 @@
+"""Log-probabilities (and entropy) of the response tokens under a model, with or without padding.
+
+The batch layout is verl's: ``input_ids`` = [left-padded prompt | right-padded response], the last
+``response_length`` columns being the response. Token t's log-prob comes from the logits at t - 1, divided by
+the sampling temperature (verl's convention: log-probs of the distribution that was sampled).
+
+Padding-free path (``remove_padding``): the valid tokens of all rows are packed into one sequence whose
+position ids restart at 0 for each row, with no attention mask; transformers then attends within each row only
+(packed-sequence masking), so no compute is spent on padding. Both paths give the same numbers.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from rl_core.algos.entropy import entropy_from_logits
+
+
+def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
+    """log softmax(logits)[label] for each position, computed in chunks of rows (no full log-softmax tensor)."""
+    flat_logits = logits.reshape(-1, logits.shape[-1])
+    flat_labels = labels.reshape(-1)
+    pieces = []
+    for start in range(0, flat_logits.shape[0], chunk_size):
+        chunk = flat_logits[start : start + chunk_size].float()
+        picked = chunk.gather(-1, flat_labels[start : start + chunk_size].unsqueeze(-1)).squeeze(-1)
+        pieces.append(picked - torch.logsumexp(chunk, dim=-1))
+    return torch.cat(pieces).reshape(labels.shape) if pieces else flat_logits.new_zeros(labels.shape)
+
+
+def _accepts(model: torch.nn.Module, argument: str) -> bool:
+    try:
+        return argument in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def response_log_probs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    response_length: int,
+    temperature: float = 1.0,
+    calculate_entropy: bool = False,
+    remove_padding: bool = True,
+    entropy_chunk_size: int | None = 2048,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log_probs, entropy or None), each (batch, response_length), for the response part of ``input_ids``."""
+    temperature = temperature if temperature and temperature > 0 else 1.0
+    if remove_padding:
+        valid = attention_mask.bool()
+        packed_ids = input_ids[valid].unsqueeze(0)
+        packed_positions = position_ids[valid].unsqueeze(0)
+        logits = model(input_ids=packed_ids, position_ids=packed_positions, attention_mask=None, use_cache=False).logits[0]
+        logits = logits / temperature
+        # the logits at packed position i predict the token at i + 1; roll so each token gets its own log-prob
+        next_token_log_probs = token_log_probs(logits, torch.roll(packed_ids[0], shifts=-1))
+        log_probs = torch.zeros(input_ids.shape, dtype=next_token_log_probs.dtype, device=input_ids.device)
+        log_probs[valid] = torch.roll(next_token_log_probs, shifts=1)
+        entropy = None
+        if calculate_entropy:
+            packed_entropy = entropy_from_logits(logits, entropy_chunk_size)
+            entropy = torch.zeros(input_ids.shape, dtype=packed_entropy.dtype, device=input_ids.device)
+            entropy[valid] = torch.roll(packed_entropy, shifts=1)
+            entropy = entropy[:, -response_length:]
+        return log_probs[:, -response_length:], entropy
+
+    extra = {"logits_to_keep": response_length + 1} if _accepts(model, "logits_to_keep") else {}
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **extra).logits
+    logits = logits[:, -response_length - 1 : -1] / temperature
+    log_probs = token_log_probs(logits, input_ids[:, -response_length:])
+    entropy = entropy_from_logits(logits, entropy_chunk_size) if calculate_entropy else None
+    return log_probs, entropy
+
+
+def response_values(
+    critic: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    response_length: int,
+    remove_padding: bool = True,
+) -> torch.Tensor:
+    """The critic's value for each response position, (batch, response_length).
+
+    As in verl, the value of response token t is read at the position *before* it (the state in which t is
+    chosen), i.e. columns [-R-1, -1) of the per-token values.
+    """
+    if remove_padding:
+        valid = attention_mask.bool()
+        packed = critic(input_ids=input_ids[valid].unsqueeze(0), position_ids=position_ids[valid].unsqueeze(0), attention_mask=None, use_cache=False).logits[0, :, 0]
+        values = torch.zeros(input_ids.shape, dtype=packed.dtype, device=input_ids.device)
+        values[valid] = packed
+    else:
+        values = critic(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).logits[..., 0]
+    return values[:, -response_length - 1 : -1]

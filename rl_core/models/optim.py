@@ -1,0 +1,53 @@
+"""Optimizer and learning-rate schedule from an ``optim`` config node (verl's keys).
+
+Schedules (``lr_scheduler_type``), with w warm-up steps and N total steps, as multipliers of ``lr``:
+  constant  s / w during warm-up, then 1
+  cosine    s / w during warm-up, then min_lr_ratio + (1 - min_lr_ratio) (1 + cos(2 pi num_cycles p)) / 2,
+            p = (s - w) / (N - w)
+w = ``lr_warmup_steps`` when >= 0, else ``lr_warmup_steps_ratio`` x N.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from rl_core.algos.config_access import config_get
+
+
+def build_optimizer(parameters: Iterable[torch.nn.Parameter], optim_config: Any) -> torch.optim.AdamW:
+    trainable = [p for p in parameters if p.requires_grad]
+    if not trainable:
+        raise ValueError("the model has no trainable parameter (is everything frozen?)")
+    betas = tuple(config_get(optim_config, "betas", (0.9, 0.999)))
+    return torch.optim.AdamW(trainable, lr=float(config_get(optim_config, "lr", 1e-6)), betas=betas,
+                             weight_decay=float(config_get(optim_config, "weight_decay", 0.01)))
+
+
+def lr_multiplier(step: int, schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0, num_cycles: float = 0.5) -> float:
+    """The factor applied to the base learning rate after ``step`` scheduler steps (see module doc)."""
+    if step < warmup_steps:
+        return step / max(1, warmup_steps)
+    if schedule == "constant":
+        return 1.0
+    if schedule == "cosine":
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * num_cycles * 2.0 * progress))
+    raise ValueError(f"optim.lr_scheduler_type={schedule!r}; choose 'constant' or 'cosine'")
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, optim_config: Any, total_steps: int | None = None) -> torch.optim.lr_scheduler.LambdaLR:
+    total = int(total_steps if total_steps is not None else config_get(optim_config, "total_training_steps", -1))
+    warmup = int(config_get(optim_config, "lr_warmup_steps", -1))
+    if warmup < 0:
+        warmup = int(float(config_get(optim_config, "lr_warmup_steps_ratio", 0.0)) * max(total, 0))
+    schedule = config_get(optim_config, "lr_scheduler_type", "constant")
+    if schedule == "cosine" and total <= 0:
+        raise ValueError("optim.lr_scheduler_type=cosine needs optim.total_training_steps > 0")
+    lr_multiplier(warmup, schedule, warmup, total)  # validates the schedule name now, not at the first step
+    min_lr_ratio = float(config_get(optim_config, "min_lr_ratio", 0.0))
+    num_cycles = float(config_get(optim_config, "num_cycles", 0.5))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, schedule, warmup, total, min_lr_ratio, num_cycles))

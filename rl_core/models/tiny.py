@@ -1,0 +1,61 @@
+"""Tiny models built in code, with no download: a small Qwen2 and a byte-level BPE tokenizer with a chat template.
+
+They are saved with ``save_pretrained``, so they load through exactly the pipeline a user's Qwen2.5
+checkpoint takes (``ppoflow make-tiny-model OUT`` writes one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from rl_core.data.synthetic import corpus
+
+PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+# Qwen's chat format, so that prompts look like a real instruct model's
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+ENGLISH = (
+    "You are a helpful assistant. The user asks a question and the assistant answers it. "
+    "What is the answer? Let's think step by step and output the final answer after ####."
+)
+
+
+def build_tokenizer(texts: Iterable[str], vocab_size: int = 320) -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained on ``texts`` (digits always split one by one), wrapped for transformers."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[PAD, IM_START, IM_END],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(list(texts), trainer=trainer)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token=PAD, eos_token=IM_END, padding_side="left")
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
+
+
+def make_tiny_model(out_dir: str | Path, seed: int = 0, hidden_size: int = 64, num_layers: int = 2, max_operand: int = 20) -> Path:
+    """Write a randomly initialised tiny Qwen2 causal LM + tokenizer to ``out_dir``; returns the folder."""
+    out = Path(out_dir)
+    texts = [f"{IM_START}user\n{problem.split('=')[0]}={IM_END}\n{IM_START}assistant\n{problem.split('=')[1]}{IM_END}" for problem in corpus(max_operand)]
+    tokenizer = build_tokenizer(texts + [ENGLISH])
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=4 * hidden_size, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
+        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out

@@ -1,0 +1,68 @@
+"""The critic: a language model body with a scalar value per token.
+
+Preferred: ``AutoModelForTokenClassification`` with ``num_labels=1`` (what verl does), which most decoder
+architectures provide. For an architecture without a token-classification class, the causal LM's body
+(``AutoModel``) gets a linear value head; the head is saved beside the body as ``value_head.safetensors``.
+Either way ``critic(...).logits[..., 0]`` is the (batch, length) value estimate.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModel, AutoModelForTokenClassification, PreTrainedModel, PreTrainedTokenizerBase
+
+from rl_core.algos.config_access import config_get
+from rl_core.models.loading import import_external_lib, load_hf_config, load_tokenizer, local_model_path, torch_dtype
+
+VALUE_HEAD_FILE = "value_head.safetensors"
+
+
+class ValueHeadModel(torch.nn.Module):
+    """A transformer body + ``Linear(hidden, 1)``, for architectures with no token-classification class."""
+
+    def __init__(self, body: PreTrainedModel):
+        super().__init__()
+        self.body = body
+        self.config = body.config
+        self.value_head = torch.nn.Linear(body.config.hidden_size, 1, dtype=body.dtype)
+        torch.nn.init.zeros_(self.value_head.bias)
+        torch.nn.init.normal_(self.value_head.weight, std=1.0 / (body.config.hidden_size + 1))
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kwargs: Any) -> SimpleNamespace:
+        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs).last_hidden_state
+        return SimpleNamespace(logits=self.value_head(hidden))
+
+    def save_pretrained(self, folder: str | Path, **kwargs: Any) -> None:
+        self.body.save_pretrained(folder, **kwargs)
+        save_file({k: v.detach().cpu().contiguous() for k, v in self.value_head.state_dict().items()}, str(Path(folder) / VALUE_HEAD_FILE))
+
+    def gradient_checkpointing_enable(self, **kwargs: Any) -> None:
+        self.body.gradient_checkpointing_enable(**kwargs)
+
+
+def load_critic_model(model_config: Any) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
+    """The critic described by a ``critic.model`` config node (token classification, else body + value head)."""
+    path = config_get(model_config, "path")
+    trust_remote_code = bool(config_get(model_config, "trust_remote_code", False))
+    import_external_lib(config_get(model_config, "external_lib"))
+    tokenizer = load_tokenizer(config_get(model_config, "tokenizer_path", path), trust_remote_code)
+    hf_config = load_hf_config(path, config_get(model_config, "override_config", {}), trust_remote_code)
+    hf_config.num_labels = 1
+    if hasattr(hf_config, "classifier_dropout"):
+        hf_config.classifier_dropout = 0.0
+    dtype = torch_dtype(config_get(model_config, "dtype", "float32"))
+    folder = local_model_path(path, "critic.model.path")
+    if type(hf_config) in AutoModelForTokenClassification._model_mapping and not (folder / VALUE_HEAD_FILE).exists():
+        model: torch.nn.Module = AutoModelForTokenClassification.from_pretrained(folder, config=hf_config, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa")
+    else:
+        model = ValueHeadModel(AutoModel.from_pretrained(folder, config=hf_config, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa"))
+        if (folder / VALUE_HEAD_FILE).exists():
+            model.value_head.load_state_dict(load_file(str(folder / VALUE_HEAD_FILE)))
+    if config_get(model_config, "enable_gradient_checkpointing", False):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model, tokenizer

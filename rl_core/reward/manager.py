@@ -1,0 +1,147 @@
+"""The reward manager: a batch of responses -> token-level scores (the score sits on the last response token).
+
+Scores come from, in order of precedence: a reward model (``rm_scores`` already in the batch, as verl does),
+a user function (``custom_reward_function``), or the rule scorers (:func:`default_compute_score`).
+Modes: ``naive`` calls ``fn(data_source, solution_str, ground_truth, extra_info)`` once per sample; ``batch``
+calls ``fn(data_sources, solution_strs, ground_truths, extra_infos)`` once with lists. A result is a number or a
+dict with a numeric ``score`` (its other keys become per-sample extra info, e.g. ``acc``).
+
+A scorer that raises or returns a non-number fails the step with a message naming the sample and its
+data_source (``on_error=raise``), or scores that sample 0 and counts it in ``reward/score_failures``
+(``on_error=zero``). DAPO's overlong penalty (``overlong_buffer``) subtracts up to ``penalty_factor`` linearly
+over the last ``len`` tokens before ``max_response_length``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rl_core.algos.config_access import config_get
+from rl_core.batch import Batch
+from rl_core.reward.scorers import default_compute_score
+
+
+class RewardScoringError(RuntimeError):
+    """A scoring function raised or returned something that is not a number."""
+
+
+@dataclass
+class RewardResult:
+    token_level_scores: torch.Tensor  # (B, R)
+    extra_info: dict[str, list] = field(default_factory=dict)  # per-sample values reported by the scorer
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def _as_score(result: Any) -> tuple[float, dict]:
+    """(score, extra) from a scorer's return value; ValueError when it is not a finite number."""
+    extra: dict = {}
+    if isinstance(result, dict):
+        if "score" not in result:
+            raise ValueError(f"returned a dict without a 'score' key: {sorted(result)}")
+        extra = {k: v for k, v in result.items() if k != "score"}
+        result = result["score"]
+    if isinstance(result, torch.Tensor) and result.numel() == 1:
+        result = result.item()
+    if isinstance(result, bool) or not isinstance(result, (int, float)) or not math.isfinite(float(result)):
+        raise ValueError(f"returned {result!r} ({type(result).__name__}), not a finite number")
+    return float(result), extra
+
+
+class RewardManager:
+    def __init__(self, tokenizer: Any, compute_score: Callable | None = None, reward_manager: str = "naive",
+                 reward_fn_key: str = "data_source", on_error: str = "raise", overlong_buffer: Any = None,
+                 max_response_length: int | None = None):
+        if reward_manager not in ("naive", "batch"):
+            raise ValueError(f"reward.reward_manager={reward_manager!r}; choose naive or batch")
+        if on_error not in ("raise", "zero"):
+            raise ValueError(f"reward.on_error={on_error!r}; choose raise or zero")
+        if reward_manager == "batch" and compute_score is None:
+            raise ValueError("reward.reward_manager=batch needs custom_reward_function.path (a function taking lists)")
+        self.tokenizer = tokenizer
+        self.compute_score = compute_score or default_compute_score
+        self.score_name = getattr(self.compute_score, "__name__", "compute_score")
+        self.mode, self.reward_fn_key, self.on_error = reward_manager, reward_fn_key, on_error
+        self.overlong_enabled = bool(config_get(overlong_buffer, "enable", False))
+        self.overlong_len = int(config_get(overlong_buffer, "len", 0))
+        self.overlong_penalty = float(config_get(overlong_buffer, "penalty_factor", 1.0))
+        self.max_response_length = max_response_length
+        if self.overlong_enabled and (not max_response_length or not 0 < self.overlong_len < max_response_length):
+            raise ValueError(f"reward.overlong_buffer.len={self.overlong_len} must be in (0, data.max_response_length={max_response_length})")
+
+    def __call__(self, batch: Batch) -> RewardResult:
+        response_mask = batch.tensors["response_mask"]
+        lengths = response_mask.sum(dim=-1).long()
+        if "rm_scores" in batch.tensors:
+            return RewardResult(batch.tensors["rm_scores"].float())
+        responses = batch.tensors["responses"]
+        solutions = [self.tokenizer.decode(responses[i, : lengths[i]], skip_special_tokens=True) for i in range(len(batch))]
+        sources = [str(s) for s in batch.non_tensors[self.reward_fn_key]]
+        truths = [rm.get("ground_truth") if isinstance(rm, dict) else None for rm in batch.non_tensors["reward_model"]]
+        extras = list(batch.non_tensors["extra_info"]) if "extra_info" in batch.non_tensors else [{}] * len(batch)
+
+        scores, extra_info, failures = self._score(sources, solutions, truths, extras)
+        scores_t = torch.tensor(scores, dtype=torch.float32)
+        metrics = {"reward/score_failures": float(failures)}
+        if self.overlong_enabled:
+            expected = self.max_response_length - self.overlong_len
+            penalty = torch.clamp(-(lengths - expected).float() / self.overlong_len * self.overlong_penalty, max=0.0)
+            scores_t = scores_t + penalty
+            extra_info["overlong_reward"] = penalty.tolist()
+            extra_info["overlong"] = (penalty < 0).tolist()
+            metrics["reward/overlong_ratio"] = float((penalty < 0).float().mean())
+        token_level_scores = torch.zeros(response_mask.shape, dtype=torch.float32)
+        rows = torch.arange(len(batch))
+        token_level_scores[rows, (lengths - 1).clamp(min=0)] = scores_t * (lengths > 0).float()
+        return RewardResult(token_level_scores, extra_info, metrics)
+
+    def _score(self, sources: list[str], solutions: list[str], truths: list, extras: list) -> tuple[list[float], dict[str, list], int]:
+        n = len(sources)
+        if self.mode == "batch":
+            try:
+                results = self.compute_score(data_sources=sources, solution_strs=solutions, ground_truths=truths, extra_infos=extras)
+                if len(results) != n:
+                    raise ValueError(f"returned {len(results)} scores for {n} samples")
+            except Exception as error:
+                return self._fail_all(error, n)
+        scores, extra_info, failures = [], {}, 0
+        for i in range(n):
+            try:
+                result = results[i] if self.mode == "batch" else self.compute_score(
+                    data_source=sources[i], solution_str=solutions[i], ground_truth=truths[i], extra_info=extras[i])
+                score, extra = _as_score(result)
+            except Exception as error:
+                if self.on_error == "raise":
+                    raise RewardScoringError(
+                        f"reward function {self.score_name!r} failed on sample {i} (data_source={sources[i]!r}): "
+                        f"{type(error).__name__}: {error}. Fix the scorer, or set reward.on_error=zero to score such samples 0"
+                    ) from error
+                score, extra, failures = 0.0, {}, failures + 1
+            scores.append(score)
+            for key, value in extra.items():
+                extra_info.setdefault(key, [None] * n)[i] = value
+        return scores, extra_info, failures
+
+    def _fail_all(self, error: Exception, n: int) -> tuple[list[float], dict[str, list], int]:
+        if self.on_error == "raise":
+            raise RewardScoringError(f"batch reward function {self.score_name!r} failed on a batch of {n}: {type(error).__name__}: {error}. "
+                                     f"Fix the scorer, or set reward.on_error=zero to score such batches 0") from error
+        return [0.0] * n, {}, n
+
+
+def build_reward_manager(config: Any, tokenizer: Any, compute_score: Callable | None = None) -> RewardManager:
+    """The reward manager described by the root config (``reward``, ``data``)."""
+    reward_config = config_get(config, "reward")
+    data_config = config_get(config, "data")
+    return RewardManager(
+        tokenizer, compute_score,
+        reward_manager=config_get(reward_config, "reward_manager", "naive"),
+        reward_fn_key=config_get(data_config, "reward_fn_key", "data_source"),
+        on_error=config_get(reward_config, "on_error", "raise"),
+        overlong_buffer=config_get(reward_config, "overlong_buffer"),
+        max_response_length=config_get(data_config, "max_response_length"),
+    )

@@ -1,0 +1,100 @@
+"""Rollout with Hugging Face ``generate``: batched sampling from left-padded prompts with a KV cache.
+
+In the hybrid engine the model is the actor's own module, so rollout always samples from the live weights
+(no weight sync needed on one device). Generation runs in chunks of ``generation_batch_size`` sequences to
+bound memory; sampling is seeded from (``rollout.seed``, global step, chunk) so that runs are repeatable and a
+resumed run draws the same samples.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rl_core.algos.config_access import config_get
+from rl_core.batch import Batch
+from rl_core.models.logprob import token_log_probs
+from rl_core.rollout.base import assemble_sequences, register_rollout_engine, response_mask_until_stop
+
+
+def sampling_settings(rollout_config: Any, validate: bool) -> dict[str, Any]:
+    """n, do_sample, temperature, top_p, top_k for training or (``validate``) for ``val_kwargs``."""
+    source = config_get(rollout_config, "val_kwargs") if validate else rollout_config
+    temperature = float(config_get(source, "temperature", 1.0))
+    do_sample = bool(config_get(source, "do_sample", True)) and temperature > 0
+    return {
+        "n": int(config_get(source, "n", 1)),
+        "do_sample": do_sample,
+        "temperature": temperature if do_sample else 1.0,
+        "top_p": float(config_get(source, "top_p", 1.0)),
+        "top_k": int(config_get(source, "top_k", -1)),
+    }
+
+
+class HFRolloutEngine:
+    """``generate_sequences`` on a transformers causal LM (see the module doc and :mod:`rl_core.rollout.base`)."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, rollout_config: Any):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = rollout_config
+        self.response_length = int(config_get(rollout_config, "response_length", 512))
+        self.chunk_size = int(config_get(rollout_config, "generation_batch_size", 256))
+        eos = tokenizer.eos_token_id
+        self.stop_token_ids = sorted({*(eos if isinstance(eos, list) else [eos]), *config_get(rollout_config, "stop_token_ids", [])})
+        self.pad_token_id = tokenizer.pad_token_id
+
+    @torch.no_grad()
+    def generate_sequences(self, prompts: Batch) -> Batch:
+        settings = sampling_settings(self.config, bool(prompts.meta_info.get("validate", False)))
+        repeated = prompts.repeat_interleave(settings["n"]) if settings["n"] > 1 else prompts
+        seed = int(config_get(self.config, "seed", 0)) * 1_000_003 + int(prompts.meta_info.get("global_step", 0))
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            pieces = [self._generate_chunk(chunk, settings, seed * 7919 + i) for i, chunk in enumerate(repeated.split(self.chunk_size))]
+        finally:
+            self.model.train(was_training)
+        responses = torch.cat([p[0] for p in pieces])
+        out = assemble_sequences(repeated, responses, response_mask_until_stop(responses, self.stop_token_ids), self.pad_token_id)
+        if pieces[0][1] is not None:
+            out.tensors["rollout_log_probs"] = torch.cat([p[1] for p in pieces]) * out.tensors["response_mask"]
+        out.meta_info["temperature"] = settings["temperature"]
+        return out
+
+    def _generate_chunk(self, chunk: Batch, settings: dict[str, Any], seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_ids = chunk.tensors["input_ids"]
+        want_log_probs = bool(config_get(self.config, "calculate_log_probs", False))
+        device = next(self.model.parameters()).device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            output = self.model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=chunk.tensors["attention_mask"].to(device),
+                max_new_tokens=self.response_length,
+                min_new_tokens=0,
+                do_sample=settings["do_sample"],
+                temperature=settings["temperature"] if settings["do_sample"] else None,
+                top_p=settings["top_p"] if settings["do_sample"] else None,
+                top_k=(settings["top_k"] if settings["top_k"] > 0 else 0) if settings["do_sample"] else None,
+                eos_token_id=self.stop_token_ids,
+                pad_token_id=self.pad_token_id,
+                use_cache=True,
+                return_dict_in_generate=True,
+                output_scores=want_log_probs,
+            )
+        responses = output.sequences[:, input_ids.shape[1]:]
+        pad = self.response_length - responses.shape[1]
+        log_probs = None
+        if want_log_probs:
+            scores = torch.stack(output.scores, dim=1)  # processed (temperature, top-k/p) logits per new token
+            log_probs = token_log_probs(scores, responses)
+            log_probs = torch.nn.functional.pad(log_probs, (0, pad), value=0.0).cpu()
+        responses = torch.nn.functional.pad(responses, (0, pad), value=self.pad_token_id).cpu()
+        return responses, log_probs
+
+
+@register_rollout_engine("hf")
+def _build_hf_engine(model: torch.nn.Module, tokenizer: Any, rollout_config: Any) -> HFRolloutEngine:
+    return HFRolloutEngine(model, tokenizer, rollout_config)

@@ -1,0 +1,78 @@
+"""Supervised fine-tuning on (prompt, response) pairs with the loss on response tokens only.
+
+Used to warm-start the tiny demo policy so that it sometimes succeeds before RL (RL needs a non-zero reward
+signal), and usable on any causal LM: ``run_sft(model, tokenizer, examples, ...)``.
+
+loss = mean over response tokens of -log p(token | prompt, previous response tokens); the prompt is rendered
+with the chat template and generation prompt exactly as the RL dataset renders it, and the response ends with
+the tokenizer's EOS so that the model learns to stop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from rl_core.models.logprob import token_log_probs
+
+
+@dataclass
+class SFTExample:
+    prompt: str | list[dict]  # chat messages or raw text
+    response: str
+
+
+def encode_example(tokenizer, example: SFTExample) -> tuple[list[int], list[int]]:
+    """(input ids, loss mask) of prompt + response + EOS; the mask is 1 on response tokens and EOS."""
+    if isinstance(example.prompt, str) or tokenizer.chat_template is None:
+        prompt_text = example.prompt if isinstance(example.prompt, str) else "\n".join(m["content"] for m in example.prompt)
+    else:
+        prompt_text = tokenizer.apply_chat_template(list(example.prompt), add_generation_prompt=True, tokenize=False)
+    prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+    response_ids = tokenizer(example.response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids)
+
+
+def collate(encoded: Sequence[tuple[list[int], list[int]]], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded input_ids, attention_mask, position_ids and loss_mask."""
+    length = max(len(ids) for ids, _ in encoded)
+    input_ids = torch.full((len(encoded), length), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(encoded), length), dtype=torch.long)
+    loss_mask = torch.zeros((len(encoded), length), dtype=torch.float32)
+    for row, (ids, mask) in enumerate(encoded):
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        attention_mask[row, : len(ids)] = 1
+        loss_mask[row, : len(ids)] = torch.tensor(mask, dtype=torch.float32)
+    position_ids = torch.clamp(torch.cumsum(attention_mask, dim=-1) - 1, min=0)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids, "loss_mask": loss_mask}
+
+
+def sft_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Token-mean negative log-likelihood of the loss-mask tokens."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"], use_cache=False).logits
+    log_probs = token_log_probs(logits[:, :-1], batch["input_ids"][:, 1:])
+    mask = batch["loss_mask"][:, 1:]
+    return -(log_probs * mask).sum() / mask.sum().clamp(min=1)
+
+
+def run_sft(model: torch.nn.Module, tokenizer, examples: Sequence[SFTExample], steps: int, batch_size: int = 32, lr: float = 3e-3,
+            seed: int = 0, on_step: Callable[[int, float], None] | None = None) -> list[float]:
+    """``steps`` AdamW steps on random batches of ``examples``; returns the loss of each step."""
+    encoded = [encode_example(tokenizer, example) for example in examples]
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    model.train()
+    losses = []
+    for step in range(steps):
+        picked = torch.randint(0, len(encoded), (batch_size,), generator=generator).tolist()
+        loss = sft_loss(model, collate([encoded[i] for i in picked], tokenizer.pad_token_id))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(loss.item())
+        if on_step is not None:
+            on_step(step, losses[-1])
+    return losses

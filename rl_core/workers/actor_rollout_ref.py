@@ -1,0 +1,186 @@
+"""``ActorRolloutRefWorker``: the policy's roles fused in one process (the seed's actor / rollout / ref).
+
+``role`` is any combination of ``actor``, ``rollout`` and ``ref`` (``actor_rollout_ref``, ``actor_rollout``,
+``ref``, ...). In the hybrid engine the rollout engine samples with the actor's own module, so generation
+always uses the live weights. With LoRA the reference policy is the same module with the adapter disabled.
+
+Stage methods take and return :class:`rl_core.batch.Batch`:
+  generate_sequences(prompts)  -> sequences (see rl_core.rollout.base)
+  compute_log_prob(batch)      -> old_log_probs, entropys          (current actor, no grad)
+  compute_ref_log_prob(batch)  -> ref_log_prob
+  update_actor(batch)          -> meta_info["metrics"]              (PPO epochs x mini x micro batches)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rl_core.algos.aggregate import agg_loss
+from rl_core.algos.config_access import config_get
+from rl_core.algos.kl import kl_penalty
+from rl_core.algos.masked import masked_mean
+from rl_core.algos.policy_loss import get_policy_loss_fn
+from rl_core.batch import Batch
+from rl_core.checkpoint import load_trainable, rng_state, save_trainable, set_rng_state
+from rl_core.models.loading import load_policy_model
+from rl_core.models.logprob import response_log_probs
+from rl_core.models.lora import adapter_disabled, apply_lora, uses_lora
+from rl_core.models.optim import build_lr_scheduler, build_optimizer
+from rl_core.rollout import build_rollout_engine
+from rl_core.workers.train_loop import run_updates
+
+ROLES = ("actor", "rollout", "ref")
+
+
+class LossConfig:
+    """The actor config as the policy loss sees it: every field of ``actor``, plus this mini-batch's
+    ``global_batch_info`` (an OmegaConf node cannot take a new key, so it is layered on top)."""
+
+    def __init__(self, actor_config: Any, global_batch_info: dict[str, float]):
+        self._actor_config = actor_config
+        self.global_batch_info = global_batch_info
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._actor_config, name)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return config_get(self._actor_config, name, default)
+
+
+class ActorRolloutRefWorker:
+    def __init__(self, config: Any, role: str = "actor_rollout_ref"):
+        parts = set(role.split("_"))
+        if not parts or not parts <= set(ROLES):
+            raise ValueError(f"role={role!r}: combine {ROLES} with '_' (e.g. actor_rollout_ref)")
+        self.config = config
+        self.is_actor, self.is_rollout, self.is_ref = ("actor" in parts), ("rollout" in parts), ("ref" in parts)
+        self.model_config = config_get(config, "model")
+        self.actor_config = config_get(config, "actor")
+        self.rollout_config = config_get(config, "rollout")
+        self.module: torch.nn.Module | None = None
+        self.ref_module: torch.nn.Module | None = None
+        self.steps_trained = 0
+
+    # ------------------------------------------------------------------ set-up
+    def init_model(self) -> None:
+        """Load the policy (+LoRA) with its optimizer, the reference policy and the rollout engine, as the role needs."""
+        if self.is_actor or self.is_rollout:
+            model, self.tokenizer = load_policy_model(self.model_config)
+            self.module = apply_lora(model, self.model_config)
+        if self.is_actor:
+            optim_config = config_get(self.actor_config, "optim")
+            self.optimizer = build_optimizer(self.module.parameters(), optim_config)
+            self.lr_scheduler = build_lr_scheduler(self.optimizer, optim_config)
+        if self.is_ref:
+            if self.module is not None and uses_lora(self.model_config):
+                self.ref_module = self.module  # the base weights, with the adapter disabled in compute_ref_log_prob
+            else:
+                self.ref_module, self.tokenizer = load_policy_model(self.model_config)
+                self.ref_module.requires_grad_(False).eval()
+        if self.is_rollout:
+            self.rollout = build_rollout_engine(config_get(self.rollout_config, "name", "hf"), model=self.module,
+                                                tokenizer=self.tokenizer, rollout_config=self.rollout_config)
+
+    # ------------------------------------------------------------------ stages
+    def generate_sequences(self, prompts: Batch) -> Batch:
+        self._require(self.is_rollout, "generate_sequences", "rollout")
+        return self.rollout.generate_sequences(prompts)
+
+    @torch.no_grad()
+    def compute_log_prob(self, batch: Batch) -> Batch:
+        """old_log_probs and entropys of the responses under the current actor."""
+        self._require(self.is_actor, "compute_log_prob", "actor")
+        micro = int(config_get(self.rollout_config, "log_prob_micro_batch_size_per_gpu", 64))
+        log_probs, entropy = self._log_probs(self.module, batch, micro, calculate_entropy=True)
+        out = Batch({"old_log_probs": log_probs, "entropys": entropy}, meta_info={"temperature": batch.meta_info.get("temperature", 1.0)})
+        out.meta_info["metrics"] = {"actor/entropy": float(masked_mean(entropy, batch.tensors["response_mask"]))}
+        return out
+
+    @torch.no_grad()
+    def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        self._require(self.is_ref, "compute_ref_log_prob", "ref")
+        micro = int(config_get(config_get(self.config, "ref"), "log_prob_micro_batch_size_per_gpu", 64))
+        with adapter_disabled(self.ref_module) if self.ref_module is self.module else contextlib.nullcontext():
+            log_probs, _ = self._log_probs(self.ref_module, batch, micro, calculate_entropy=False)
+        return Batch({"ref_log_prob": log_probs})
+
+    def update_actor(self, batch: Batch) -> Batch:
+        """One PPO update on ``batch`` (needs responses, response_mask, old_log_probs, advantages; ref_log_prob
+        with ``use_kl_loss``); then one LR-scheduler step."""
+        self._require(self.is_actor, "update_actor", "actor")
+        actor = self.actor_config
+        n = int(config_get(self.rollout_config, "n", 1))
+        loss_fn = get_policy_loss_fn(config_get(config_get(actor, "policy_loss"), "loss_mode", "vanilla"))
+        loss_agg_mode = config_get(actor, "loss_agg_mode", "token-mean")
+        entropy_coeff = float(config_get(actor, "entropy_coeff", 0.0))
+        use_kl_loss = bool(config_get(actor, "use_kl_loss", False))
+        temperature = batch.meta_info.get("temperature", 1.0)
+
+        def micro_loss(micro: Batch, info: dict[str, float]) -> tuple[torch.Tensor, dict[str, float]]:
+            mask = micro.tensors["response_mask"]
+            log_prob, entropy = self._micro_log_probs(self.module, micro, temperature, calculate_entropy=entropy_coeff != 0)
+            pg_loss, metrics = loss_fn(old_log_prob=micro.tensors["old_log_probs"], log_prob=log_prob, advantages=micro.tensors["advantages"],
+                                       response_mask=mask, loss_agg_mode=loss_agg_mode, config=LossConfig(actor, info))
+            metrics = {**metrics, "actor/pg_loss": pg_loss.item()}
+            loss = pg_loss
+            if entropy_coeff != 0:
+                entropy_loss = agg_loss(entropy, mask, loss_agg_mode, **info)
+                loss = loss - entropy_coeff * entropy_loss
+                metrics["actor/entropy_loss"] = entropy_loss.item()
+            if use_kl_loss:
+                kld = kl_penalty(log_prob, micro.tensors["ref_log_prob"], config_get(actor, "kl_loss_type", "low_var_kl"))
+                kl_loss = agg_loss(kld, mask, loss_agg_mode, **info)
+                loss = loss + float(config_get(actor, "kl_loss_coef", 0.001)) * kl_loss
+                metrics["actor/kl_loss"] = kl_loss.item()
+            return loss, metrics
+
+        metrics = run_updates(
+            "actor", self.module, self.optimizer, batch,
+            mini_batch_size=int(config_get(actor, "ppo_mini_batch_size", len(batch))) * n,
+            micro_batch_size=int(config_get(actor, "ppo_micro_batch_size_per_gpu", 8)),
+            epochs=int(config_get(actor, "ppo_epochs", 1)), shuffle=bool(config_get(actor, "shuffle", False)),
+            seed=self.steps_trained, grad_clip=float(config_get(actor, "grad_clip", 1.0)), micro_loss=micro_loss,
+        )
+        if use_kl_loss:
+            metrics["actor/kl_coef"] = float(config_get(actor, "kl_loss_coef", 0.001))
+        self.lr_scheduler.step()
+        self.steps_trained += 1
+        return Batch(meta_info={"metrics": metrics})
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, folder: str | Path) -> None:
+        """Weights (HF safetensors layout, or the LoRA adapter) in ``folder``; optimizer, scheduler, RNG in state.safetensors."""
+        self._require(self.is_actor, "save_checkpoint", "actor")
+        save_trainable(folder, self.module, self.tokenizer, self.optimizer, self.lr_scheduler, {"rng": rng_state(), "steps_trained": self.steps_trained})
+
+    def load_checkpoint(self, folder: str | Path) -> None:
+        self._require(self.is_actor, "load_checkpoint", "actor")
+        extra = load_trainable(folder, self.module, self.optimizer, self.lr_scheduler)
+        set_rng_state(extra["rng"])
+        self.steps_trained = int(extra["steps_trained"])
+
+    # ------------------------------------------------------------------ helpers
+    def _micro_log_probs(self, module: torch.nn.Module, micro: Batch, temperature: float, calculate_entropy: bool):
+        return response_log_probs(
+            module, micro.tensors["input_ids"], micro.tensors["attention_mask"], micro.tensors["position_ids"],
+            micro.tensors["responses"].shape[-1], temperature=temperature, calculate_entropy=calculate_entropy,
+            remove_padding=bool(config_get(self.model_config, "use_remove_padding", True)),
+            entropy_chunk_size=int(config_get(self.actor_config, "entropy_from_logits_chunk_size", 2048)),
+        )
+
+    def _log_probs(self, module: torch.nn.Module, batch: Batch, micro_batch_size: int, calculate_entropy: bool):
+        module.eval()
+        temperature = batch.meta_info.get("temperature", 1.0)
+        pieces = [self._micro_log_probs(module, micro, temperature, calculate_entropy) for micro in batch.split(micro_batch_size)]
+        log_probs = torch.cat([p[0] for p in pieces])
+        entropy = torch.cat([p[1] for p in pieces]) if calculate_entropy else None
+        return log_probs, entropy
+
+    def _require(self, present: bool, method: str, role: str) -> None:
+        if not present:
+            raise RuntimeError(f"{method} needs the {role!r} role; this worker was built without it")
+

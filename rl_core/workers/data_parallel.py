@@ -1,0 +1,23 @@
+"""What a worker needs to know about data parallelism: its world size and global sums across ranks.
+
+Without an initialised ``torch.distributed`` process group everything is local (world size 1).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def global_sum(value: torch.Tensor | float) -> torch.Tensor:
+    """The sum of ``value`` over all data-parallel ranks (a float64 scalar tensor)."""
+    total = torch.as_tensor(value, dtype=torch.float64).detach().clone()
+    if world_size() > 1:
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        total = total.to(device)
+        dist.all_reduce(total)
+    return total.cpu()

@@ -1,0 +1,73 @@
+"""``RewardModelWorker``: scores responses with a sequence-classification reward model (``compute_rm_score``).
+
+The score of a sequence is the reward model's output at the last valid token; it is placed on the last
+response token of ``rm_scores`` (B, R). When the reward model has its own tokenizer
+(``reward_model.model.input_tokenizer`` names the policy's), each prompt + response is decoded and re-encoded
+with the reward model's chat template; otherwise the policy's token ids are scored directly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import AutoModelForSequenceClassification
+
+from rl_core.algos.config_access import config_get
+from rl_core.batch import Batch
+from rl_core.models.loading import load_hf_config, load_tokenizer, local_model_path, torch_dtype
+
+
+class RewardModelWorker:
+    def __init__(self, config: Any):
+        self.config = config
+        self.model_config = config_get(config, "model")
+
+    def init_model(self) -> None:
+        path = config_get(self.model_config, "path")
+        trust_remote_code = bool(config_get(self.model_config, "trust_remote_code", False))
+        hf_config = load_hf_config(path, {}, trust_remote_code)
+        hf_config.num_labels = 1
+        self.module = AutoModelForSequenceClassification.from_pretrained(
+            local_model_path(path, "reward_model.model.path"), config=hf_config,
+            dtype=torch_dtype(config_get(self.model_config, "dtype", "float32")), trust_remote_code=trust_remote_code,
+        ).eval()
+        self.tokenizer = load_tokenizer(path, trust_remote_code)
+        self.tokenizer.padding_side = "right"
+        input_tokenizer = config_get(self.model_config, "input_tokenizer")
+        self.policy_tokenizer = load_tokenizer(input_tokenizer, trust_remote_code) if input_tokenizer else None
+
+    def _sequence_scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+        """The scalar head applied to the hidden state of each row's last valid token."""
+        hidden = self.module.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).last_hidden_state
+        last = (attention_mask * torch.arange(attention_mask.shape[1], device=attention_mask.device)).argmax(dim=-1)
+        head = getattr(self.module, "score", None) or getattr(self.module, "classifier")
+        return head(hidden[torch.arange(hidden.shape[0]), last]).squeeze(-1).float()
+
+    def _retokenize(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        lengths = batch.tensors["response_mask"].sum(-1)
+        texts = []
+        for i in range(len(batch)):
+            response = self.policy_tokenizer.decode(batch.tensors["responses"][i, : lengths[i]], skip_special_tokens=True)
+            prompt = batch.non_tensors["raw_prompt"][i]
+            messages = ([{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)) + [{"role": "assistant", "content": response}]
+            texts.append(self.tokenizer.apply_chat_template(messages, tokenize=False) if self.tokenizer.chat_template else
+                         "\n".join(m["content"] for m in messages))
+        encoded = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        return encoded["input_ids"], encoded["attention_mask"]
+
+    @torch.no_grad()
+    def compute_rm_score(self, batch: Batch) -> Batch:
+        micro_batch_size = int(config_get(self.config, "micro_batch_size_per_gpu", 64))
+        scores = []
+        for micro in batch.split(micro_batch_size):
+            if self.policy_tokenizer is not None:
+                input_ids, attention_mask = self._retokenize(micro)
+                scores.append(self._sequence_scores(input_ids, attention_mask, None))
+            else:
+                scores.append(self._sequence_scores(micro.tensors["input_ids"], micro.tensors["attention_mask"], micro.tensors["position_ids"]))
+        response_mask = batch.tensors["response_mask"]
+        last = (response_mask.sum(-1) - 1).clamp(min=0)
+        rm_scores = torch.zeros(response_mask.shape, dtype=torch.float32)
+        rm_scores[torch.arange(len(batch)), last] = torch.cat(scores)
+        return Batch({"rm_scores": rm_scores})

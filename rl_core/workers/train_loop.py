@@ -1,0 +1,88 @@
+"""The update loop shared by the actor and the critic: epochs x mini-batches x micro-batches.
+
+One optimizer step per mini-batch; micro-batches accumulate gradients. Each micro-batch's loss is computed
+with the *mini-batch's* global token and sequence counts (``global_batch_info``), so the accumulated gradient
+equals the gradient of the whole mini-batch's loss, whatever the micro-batch size or the number of ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+
+import torch
+
+from rl_core.batch import Batch
+from rl_core.workers.data_parallel import global_sum, world_size
+
+
+class NonFiniteError(FloatingPointError):
+    """A loss or gradient norm became NaN/Inf; the optimizer step was not taken."""
+
+
+def mini_batches(batch: Batch, mini_batch_size: int, epochs: int, shuffle: bool, seed: int) -> Iterator[tuple[int, Batch]]:
+    """(epoch, mini-batch) pairs; with ``shuffle`` each epoch visits the rows in a seeded random order."""
+    for epoch in range(epochs):
+        if shuffle:
+            order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(seed * 1000 + epoch))
+            batch = batch[order]
+        for mini in batch.split(mini_batch_size):
+            yield epoch, mini
+
+
+def global_batch_info(mini: Batch) -> dict[str, float]:
+    """dp_size and the mini-batch's valid-token and non-empty-sequence counts summed over all ranks."""
+    response_mask = mini.tensors["response_mask"]
+    return {
+        "dp_size": world_size(),
+        "batch_num_tokens": float(global_sum(response_mask.sum())),
+        "global_batch_size": float(global_sum((response_mask.sum(-1) > 0).sum())),
+    }
+
+
+def run_updates(
+    name: str,
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Batch,
+    mini_batch_size: int,
+    micro_batch_size: int,
+    epochs: int,
+    shuffle: bool,
+    seed: int,
+    grad_clip: float,
+    micro_loss: Callable[[Batch, dict[str, float]], tuple[torch.Tensor, dict[str, float]]],
+) -> dict[str, float]:
+    """Run the loop; ``micro_loss(micro, batch_info)`` returns the micro-batch's share of the loss and its metrics.
+
+    Returns metrics averaged over mini-batches (``<name>/grad_norm`` and per-micro metrics averaged over micros;
+    the loss metrics that ``micro_loss`` reports as ``*_loss`` are summed over micros = the mini-batch loss).
+    """
+    module.train()
+    per_mini: dict[str, list[float]] = defaultdict(list)
+    for epoch, mini in mini_batches(batch, mini_batch_size, epochs, shuffle, seed):
+        info = global_batch_info(mini)
+        optimizer.zero_grad(set_to_none=True)
+        micro_metrics: dict[str, list[float]] = defaultdict(list)
+        for micro in mini.split(micro_batch_size):
+            loss, metrics = micro_loss(micro, info)
+            if not torch.isfinite(loss):
+                optimizer.zero_grad(set_to_none=True)
+                raise NonFiniteError(f"{name} update: the loss is {loss.item()} (epoch {epoch}); the optimizer step was not taken. "
+                                     f"Lower the learning rate or check the rewards and advantages for NaN/Inf")
+            loss.backward()
+            for key, value in metrics.items():
+                micro_metrics[key].append(value)
+        grad_norm = torch.nn.utils.clip_grad_norm_([p for p in module.parameters() if p.requires_grad], max_norm=grad_clip)
+        if not math.isfinite(float(grad_norm)):
+            optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteError(f"{name} update: the gradient norm is {float(grad_norm)} (epoch {epoch}); the optimizer step was not taken "
+                                 f"and the weights are those of the previous step. Lower the learning rate or {name}.grad_clip")
+        optimizer.step()
+        per_mini[f"{name}/grad_norm"].append(float(grad_norm))
+        for key, values in micro_metrics.items():
+            per_mini[key].append(sum(values) if key.endswith("_loss") else sum(values) / len(values))
+    metrics = {key: sum(values) / len(values) for key, values in per_mini.items()}
+    metrics[f"{name}/lr"] = optimizer.param_groups[0]["lr"]
+    return metrics
