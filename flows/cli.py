@@ -27,6 +27,14 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prepare_gsm8k(args: argparse.Namespace) -> int:
+    from rl_core.data.gsm8k import preprocess
+
+    for split, path in preprocess(args.source, args.out).items():
+        print(f"{split}: {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ppoflow", description="RL post-training of LLMs: Prefect flows driving Ray workers, tracked in MLflow.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -38,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--hidden-size", type=int, default=64)
     tiny.add_argument("--num-layers", type=int, default=2)
     tiny.set_defaults(run=_make_tiny_model)
+    gsm8k = commands.add_parser("prepare-gsm8k", help="convert a local copy of GSM8K (train/test jsonl or parquet) to verl's format")
+    gsm8k.add_argument("source", help="folder holding train*.jsonl / test*.jsonl (or parquet)")
+    gsm8k.add_argument("out", help="output folder for train.parquet / test.parquet")
+    gsm8k.set_defaults(run=_prepare_gsm8k)
     return parser
 
 

@@ -113,9 +113,9 @@ def load_model_weights(model: torch.nn.Module, folder: str | Path) -> None:
     if isinstance(model, ValueHeadModel):
         model.value_head.load_state_dict(load_file(str(folder / VALUE_HEAD_FILE)))
         model = model.body
-    files = [f for f in sorted(folder.glob("*.safetensors")) if f.name != VALUE_HEAD_FILE]
+    files = sorted(folder.glob("model*.safetensors"))  # model.safetensors or model-0000i-of-0000n.safetensors shards
     if not files:
-        raise FileNotFoundError(f"{folder} holds no *.safetensors weights")
+        raise FileNotFoundError(f"{folder} holds no model*.safetensors weights")
     state: dict[str, torch.Tensor] = {}
     for file in files:
         state.update(load_file(str(file)))

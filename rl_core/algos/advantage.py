@@ -3,7 +3,8 @@
 Each estimator is a pure function registered by name with :func:`register_adv_est`, taking verl's keyword
 arguments (``token_level_rewards``, ``response_mask``, ``index``, ``values``, ``gamma``, ``lam``,
 ``reward_baselines``, ``epsilon``, ``norm_adv_by_std_in_grpo``, ``config``) and returning verl's tuple
-``(advantages, returns)``, both shaped (batch, response_length) and zero outside ``response_mask``.
+``(advantages, returns)``, both shaped (batch, response_length). Outcome estimators return zeros outside
+``response_mask``; GAE's values there are meaningless (as in verl) and every consumer masks them.
 ``index`` holds one group id per sample (the prompt's uid: the n responses to one prompt form a group).
 
 Outcome estimators use the sequence score s_i = sum_t token_level_rewards[i, t]. Group statistics are

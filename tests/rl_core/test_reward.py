@@ -1,0 +1,121 @@
+"""Rule scorers, user scoring functions and the reward manager, on hand-made responses."""
+
+import math
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from rl_core.batch import Batch
+from rl_core.reward.custom import load_custom_reward_function
+from rl_core.reward.manager import RewardManager, RewardScoringError
+from rl_core.reward.scorers import addition_score, default_compute_score, gsm8k_score, last_boxed, math_score
+
+
+class CharTokenizer:
+    """One character per token id (ord), so that tests can write responses as text."""
+
+    eos_token_id = 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(int(i)) for i in ids if not (skip_special_tokens and int(i) == 0))
+
+
+def response_batch(texts, data_sources, truths, length=12):
+    responses = torch.zeros(len(texts), length, dtype=torch.long)
+    mask = torch.zeros(len(texts), length, dtype=torch.long)
+    for row, text in enumerate(texts):
+        ids = [ord(c) for c in text][: length - 1] + [0]  # EOS
+        responses[row, : len(ids)] = torch.tensor(ids)
+        mask[row, : len(ids)] = 1
+    return Batch({"responses": responses, "response_mask": mask},
+                 {"data_source": data_sources, "reward_model": [{"ground_truth": t} for t in truths], "extra_info": [{"i": i} for i in range(len(texts))]})
+
+
+def test_rule_scorers_by_hand():
+    assert gsm8k_score("so 3+4 = 7\n#### 7", "7") == 1.0
+    assert gsm8k_score("#### 1,234", "1234") == 1.0
+    assert gsm8k_score("#### 8", "7") == 0.0 and gsm8k_score("the answer is 7", "7") == 0.0
+    assert last_boxed(r"so \boxed{\frac{1}{2}} then \boxed{3}") == "3"
+    assert last_boxed(r"\boxed{\frac{1}{2}}") == r"\frac{1}{2}"
+    assert math_score(r"The answer is \boxed{\dfrac{1}{2}}.", r"\frac{1}{2}") == 1.0
+    assert math_score("no box", "1") == 0.0
+    assert addition_score("19", "19") == 1.0 and addition_score("191", "19") == 0.0 and addition_score("", "3") == 0.0
+    assert default_compute_score("openai/gsm8k", "#### 5", "5") == 1.0
+    with pytest.raises(ValueError, match="no rule scorer for data_source='my/task'.*custom_reward_function.path"):
+        default_compute_score("my/task", "x", "y")
+
+
+def test_score_lands_on_the_last_valid_response_token():
+    batch = response_batch(["12", "7", "99"], ["ppoflow/addition"] * 3, ["12", "8", "99"])
+    result = RewardManager(CharTokenizer())(batch)
+    expected = torch.zeros(3, 12)
+    expected[0, 2], expected[2, 2] = 1.0, 1.0  # "12" + EOS: index 2; "7" wrong
+    assert torch.equal(result.token_level_scores, expected)
+    assert result.metrics["reward/score_failures"] == 0
+
+
+def test_custom_function_from_a_file_with_dict_results(tmp_path):
+    path = tmp_path / "my_reward.py"
+    path.write_text(textwrap.dedent('''
+        def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+            correct = solution_str.strip() == ground_truth
+            return {"score": 2.0 if correct else -1.0, "acc": correct}
+    '''))
+    fn = load_custom_reward_function(str(path), "compute_score")
+    result = RewardManager(CharTokenizer(), fn)(response_batch(["ab", "x"], ["my/task"] * 2, ["ab", "y"]))
+    assert result.token_level_scores.sum(-1).tolist() == [2.0, -1.0]
+    assert result.extra_info["acc"] == [True, False]
+    with pytest.raises(AttributeError, match="'nope' is not a function.*compute_score"):
+        load_custom_reward_function(str(path), "nope")
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        load_custom_reward_function(str(tmp_path / "missing.py"))
+
+
+def test_a_raising_scorer_names_the_sample_or_scores_zero():
+    def flaky(data_source, solution_str, ground_truth, extra_info=None):
+        if solution_str == "boom":
+            raise KeyError("missing field")
+        return 1.0
+
+    batch = response_batch(["ok", "boom", "ok"], ["a", "b", "c"], ["", "", ""])
+    with pytest.raises(RewardScoringError, match=r"'flaky' failed on sample 1 \(data_source='b'\): KeyError.*reward.on_error=zero"):
+        RewardManager(CharTokenizer(), flaky)(batch)
+    result = RewardManager(CharTokenizer(), flaky, on_error="zero")(batch)
+    assert result.token_level_scores.sum(-1).tolist() == [1.0, 0.0, 1.0]
+    assert result.metrics["reward/score_failures"] == 1
+
+
+@pytest.mark.parametrize("bad", [None, "1.0", math.nan, {"acc": 1}, [1.0]])
+def test_non_numbers_are_errors(bad):
+    with pytest.raises(RewardScoringError, match="sample 0"):
+        RewardManager(CharTokenizer(), lambda **kw: bad)(response_batch(["x"], ["a"], ["x"]))
+
+
+def test_batch_mode_gets_lists():
+    calls = []
+
+    def batch_score(data_sources, solution_strs, ground_truths, extra_infos):
+        calls.append(len(solution_strs))
+        return [float(s == t) for s, t in zip(solution_strs, ground_truths)]
+
+    result = RewardManager(CharTokenizer(), batch_score, reward_manager="batch")(response_batch(["a", "b", "c"], ["d"] * 3, ["a", "x", "c"]))
+    assert calls == [3] and result.token_level_scores.sum(-1).tolist() == [1.0, 0.0, 1.0]
+    with pytest.raises(RewardScoringError, match="returned 1 scores for 3 samples"):
+        RewardManager(CharTokenizer(), lambda **kw: [1.0], reward_manager="batch")(response_batch(["a", "b", "c"], ["d"] * 3, ["a"] * 3))
+
+
+def test_dapo_overlong_penalty_by_hand():
+    # max length 12, buffer 4: lengths up to 8 are free; length 10 (9 chars + EOS) pays (10 - 8) / 4 = 0.5
+    batch = response_batch(["1234567", "123456789"], ["a", "a"], ["", ""])
+    manager = RewardManager(CharTokenizer(), lambda **kw: 1.0, overlong_buffer={"enable": True, "len": 4, "penalty_factor": 1.0}, max_response_length=12)
+    result = manager(batch)
+    assert result.token_level_scores.sum(-1).tolist() == pytest.approx([1.0, 0.5])
+    assert result.extra_info["overlong"] == [False, True]
+
+
+def test_reward_model_scores_are_used_when_present():
+    batch = response_batch(["ab"], ["a"], ["ab"])
+    batch.tensors["rm_scores"] = torch.tensor([[0.0, 0.0, 0.7] + [0.0] * 9])
+    assert RewardManager(CharTokenizer())(batch).token_level_scores[0, 2].item() == pytest.approx(0.7)
