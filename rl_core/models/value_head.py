@@ -37,9 +37,13 @@ class ValueHeadModel(torch.nn.Module):
         hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs).last_hidden_state
         return SimpleNamespace(logits=self.value_head(hidden))
 
-    def save_pretrained(self, folder: str | Path, **kwargs: Any) -> None:
-        self.body.save_pretrained(folder, **kwargs)
-        save_file({k: v.detach().cpu().contiguous() for k, v in self.value_head.state_dict().items()}, str(Path(folder) / VALUE_HEAD_FILE))
+    def save_pretrained(self, folder: str | Path, state_dict: dict[str, torch.Tensor] | None = None, **kwargs: Any) -> None:
+        """The body as a HF checkpoint and the head as value_head.safetensors (from ``state_dict`` when given)."""
+        state = state_dict if state_dict is not None else self.state_dict()
+        body = {k[len("body."):]: v for k, v in state.items() if k.startswith("body.")}
+        self.body.save_pretrained(folder, state_dict=body, **kwargs)
+        head = {k[len("value_head."):]: v.detach().cpu().contiguous() for k, v in state.items() if k.startswith("value_head.")}
+        save_file(head, str(Path(folder) / VALUE_HEAD_FILE))
 
     def gradient_checkpointing_enable(self, **kwargs: Any) -> None:
         self.body.gradient_checkpointing_enable(**kwargs)

@@ -31,7 +31,10 @@ from rl_core.models.logprob import response_log_probs
 from rl_core.models.lora import adapter_disabled, apply_lora, uses_lora
 from rl_core.models.optim import build_lr_scheduler, build_optimizer
 from rl_core.rollout import build_rollout_engine
-from rl_core.workers.train_loop import run_updates
+from rl_core.workers.data_parallel import world_size
+from rl_core.workers.dispatch import DP_COMPUTE, ONE_TO_ALL, dispatch
+from rl_core.workers.fsdp import full_parameters, shard_module
+from rl_core.workers.train_loop import local_mini_batch_size, run_updates
 
 ROLES = ("actor", "rollout", "ref")
 
@@ -66,11 +69,15 @@ class ActorRolloutRefWorker:
         self.steps_trained = 0
 
     # ------------------------------------------------------------------ set-up
+    @dispatch(ONE_TO_ALL)
     def init_model(self) -> None:
-        """Load the policy (+LoRA) with its optimizer, the reference policy and the rollout engine, as the role needs."""
+        """Load the policy (+LoRA) with its optimizer, the reference policy and the rollout engine, as the role needs.
+
+        With a world size > 1 the models are sharded with FSDP2 (each rank holds a slice of the weights)."""
+        fsdp_config = config_get(self.actor_config, "fsdp_config")
         if self.is_actor or self.is_rollout:
             model, self.tokenizer = load_policy_model(self.model_config)
-            self.module = apply_lora(model, self.model_config)
+            self.module = shard_module(apply_lora(model, self.model_config), fsdp_config)
         if self.is_actor:
             optim_config = config_get(self.actor_config, "optim")
             self.optimizer = build_optimizer(self.module.parameters(), optim_config)
@@ -80,16 +87,20 @@ class ActorRolloutRefWorker:
                 self.ref_module = self.module  # the base weights, with the adapter disabled in compute_ref_log_prob
             else:
                 self.ref_module, self.tokenizer = load_policy_model(self.model_config)
-                self.ref_module.requires_grad_(False).eval()
+                self.ref_module = shard_module(self.ref_module.requires_grad_(False).eval(), fsdp_config)
         if self.is_rollout:
             self.rollout = build_rollout_engine(config_get(self.rollout_config, "name", "hf"), model=self.module,
                                                 tokenizer=self.tokenizer, rollout_config=self.rollout_config)
 
     # ------------------------------------------------------------------ stages
+    @dispatch(DP_COMPUTE)
     def generate_sequences(self, prompts: Batch) -> Batch:
+        """Each rank samples for its shard of prompts with the full (gathered) live weights."""
         self._require(self.is_rollout, "generate_sequences", "rollout")
-        return self.rollout.generate_sequences(prompts)
+        with full_parameters(self.module):
+            return self.rollout.generate_sequences(prompts)
 
+    @dispatch(DP_COMPUTE)
     @torch.no_grad()
     def compute_log_prob(self, batch: Batch) -> Batch:
         """old_log_probs and entropys of the responses under the current actor."""
@@ -100,6 +111,7 @@ class ActorRolloutRefWorker:
         out.meta_info["metrics"] = {"actor/entropy": float(masked_mean(entropy, batch.tensors["response_mask"]))}
         return out
 
+    @dispatch(DP_COMPUTE)
     @torch.no_grad()
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         self._require(self.is_ref, "compute_ref_log_prob", "ref")
@@ -108,6 +120,7 @@ class ActorRolloutRefWorker:
             log_probs, _ = self._log_probs(self.ref_module, batch, micro, calculate_entropy=False)
         return Batch({"ref_log_prob": log_probs})
 
+    @dispatch(DP_COMPUTE)
     def update_actor(self, batch: Batch) -> Batch:
         """One PPO update on ``batch`` (needs responses, response_mask, old_log_probs, advantages; ref_log_prob
         with ``use_kl_loss``); then one LR-scheduler step."""
@@ -140,7 +153,7 @@ class ActorRolloutRefWorker:
 
         metrics = run_updates(
             "actor", self.module, self.optimizer, batch,
-            mini_batch_size=int(config_get(actor, "ppo_mini_batch_size", len(batch))) * n,
+            mini_batch_size=local_mini_batch_size(int(config_get(actor, "ppo_mini_batch_size", len(batch))) * n, "actor_rollout_ref.actor"),
             micro_batch_size=int(config_get(actor, "ppo_micro_batch_size_per_gpu", 8)),
             epochs=int(config_get(actor, "ppo_epochs", 1)), shuffle=bool(config_get(actor, "shuffle", False)),
             seed=self.steps_trained, grad_clip=float(config_get(actor, "grad_clip", 1.0)), micro_loss=micro_loss,
@@ -152,11 +165,13 @@ class ActorRolloutRefWorker:
         return Batch(meta_info={"metrics": metrics})
 
     # ------------------------------------------------------------------ checkpoints
+    @dispatch(ONE_TO_ALL)
     def save_checkpoint(self, folder: str | Path) -> None:
         """Weights (HF safetensors layout, or the LoRA adapter) in ``folder``; optimizer, scheduler, RNG in state.safetensors."""
         self._require(self.is_actor, "save_checkpoint", "actor")
         save_trainable(folder, self.module, self.tokenizer, self.optimizer, self.lr_scheduler, {"rng": rng_state(), "steps_trained": self.steps_trained})
 
+    @dispatch(ONE_TO_ALL)
     def load_checkpoint(self, folder: str | Path) -> None:
         self._require(self.is_actor, "load_checkpoint", "actor")
         extra = load_trainable(folder, self.module, self.optimizer, self.lr_scheduler)

@@ -16,7 +16,9 @@ from rl_core.models.logprob import response_values
 from rl_core.models.lora import apply_lora
 from rl_core.models.optim import build_lr_scheduler, build_optimizer
 from rl_core.models.value_head import load_critic_model
-from rl_core.workers.train_loop import run_updates
+from rl_core.workers.dispatch import DP_COMPUTE, ONE_TO_ALL, dispatch
+from rl_core.workers.fsdp import shard_module
+from rl_core.workers.train_loop import local_mini_batch_size, run_updates
 
 
 class CriticWorker:
@@ -25,9 +27,10 @@ class CriticWorker:
         self.model_config = config_get(config, "model")
         self.steps_trained = 0
 
+    @dispatch(ONE_TO_ALL)
     def init_model(self) -> None:
         model, self.tokenizer = load_critic_model(self.model_config)
-        self.module = apply_lora(model, self.model_config, task_type="TOKEN_CLS")
+        self.module = shard_module(apply_lora(model, self.model_config, task_type="TOKEN_CLS"), config_get(self.config, "fsdp"))
         optim_config = config_get(self.config, "optim")
         self.optimizer = build_optimizer(self.module.parameters(), optim_config)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, optim_config)
@@ -36,6 +39,7 @@ class CriticWorker:
         return response_values(self.module, micro.tensors["input_ids"], micro.tensors["attention_mask"], micro.tensors["position_ids"],
                                micro.tensors["responses"].shape[-1], remove_padding=bool(config_get(self.model_config, "use_remove_padding", True)))
 
+    @dispatch(DP_COMPUTE)
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> Batch:
         """V(s_t) for every response position, zero outside the response mask."""
@@ -44,6 +48,7 @@ class CriticWorker:
         values = torch.cat([self._values(m) for m in batch.split(micro)]) * batch.tensors["response_mask"]
         return Batch({"values": values.float()})
 
+    @dispatch(DP_COMPUTE)
     def update_critic(self, batch: Batch) -> Batch:
         """Value-loss updates on ``batch`` (needs values, returns, response_mask); one LR-scheduler step."""
         config = self.config
@@ -61,7 +66,7 @@ class CriticWorker:
 
         metrics = run_updates(
             "critic", self.module, self.optimizer, batch,
-            mini_batch_size=int(config_get(config, "ppo_mini_batch_size", len(batch))) * n,
+            mini_batch_size=local_mini_batch_size(int(config_get(config, "ppo_mini_batch_size", len(batch))) * n, "critic"),
             micro_batch_size=int(config_get(config, "ppo_micro_batch_size_per_gpu", 8)),
             epochs=int(config_get(config, "ppo_epochs", 1)), shuffle=bool(config_get(config, "shuffle", False)),
             seed=self.steps_trained, grad_clip=float(config_get(config, "grad_clip", 1.0)), micro_loss=micro_loss,
@@ -70,8 +75,10 @@ class CriticWorker:
         self.steps_trained += 1
         return Batch(meta_info={"metrics": metrics})
 
+    @dispatch(ONE_TO_ALL)
     def save_checkpoint(self, folder: str | Path) -> None:
         save_trainable(folder, self.module, self.tokenizer, self.optimizer, self.lr_scheduler, {"steps_trained": self.steps_trained})
 
+    @dispatch(ONE_TO_ALL)
     def load_checkpoint(self, folder: str | Path) -> None:
         self.steps_trained = int(load_trainable(folder, self.module, self.optimizer, self.lr_scheduler)["steps_trained"])

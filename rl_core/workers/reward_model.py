@@ -16,6 +16,7 @@ from transformers import AutoModelForSequenceClassification
 from rl_core.algos.config_access import config_get
 from rl_core.batch import Batch
 from rl_core.models.loading import load_hf_config, load_tokenizer, local_model_path, torch_dtype
+from rl_core.workers.dispatch import DP_COMPUTE, ONE_TO_ALL, dispatch
 
 
 class RewardModelWorker:
@@ -23,6 +24,7 @@ class RewardModelWorker:
         self.config = config
         self.model_config = config_get(config, "model")
 
+    @dispatch(ONE_TO_ALL)
     def init_model(self) -> None:
         path = config_get(self.model_config, "path")
         trust_remote_code = bool(config_get(self.model_config, "trust_remote_code", False))
@@ -56,6 +58,7 @@ class RewardModelWorker:
         encoded = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         return encoded["input_ids"], encoded["attention_mask"]
 
+    @dispatch(DP_COMPUTE)
     @torch.no_grad()
     def compute_rm_score(self, batch: Batch) -> Batch:
         micro_batch_size = int(config_get(self.config, "micro_batch_size_per_gpu", 64))

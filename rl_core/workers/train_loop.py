@@ -31,6 +31,14 @@ def mini_batches(batch: Batch, mini_batch_size: int, epochs: int, shuffle: bool,
             yield epoch, mini
 
 
+def local_mini_batch_size(global_mini_batch_size: int, setting: str) -> int:
+    """This rank's share of a mini-batch (in responses); the global size must divide by the world size."""
+    ranks = world_size()
+    if global_mini_batch_size % ranks:
+        raise ValueError(f"{setting}.ppo_mini_batch_size x rollout.n = {global_mini_batch_size} responses does not divide over {ranks} ranks")
+    return global_mini_batch_size // ranks
+
+
 def global_batch_info(mini: Batch) -> dict[str, float]:
     """dp_size and the mini-batch's valid-token and non-empty-sequence counts summed over all ranks."""
     response_mask = mini.tensors["response_mask"]

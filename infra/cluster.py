@@ -1,0 +1,89 @@
+"""Connecting to a Ray cluster, or starting the embedded local one on 127.0.0.1.
+
+Ray 2.60 does two things on its own that the embedded default must override or keep deliberately:
+  * it resolves "localhost" to the machine's network address and listens on every interface; setting
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (the switch Ray uses for laptops) keeps a local cluster on 127.0.0.1;
+  * it enables token authentication for local clusters and writes the token to ~/.ray/auth_token; we keep
+    that (secure by default): drivers on the same machine find the token there, remote ones need
+    RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH.
+An address that does not answer is an error within ``timeout_s`` seconds instead of Ray's long retry loop.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import ray
+
+# the embedded cluster: on 127.0.0.1, with Ray's token authentication on (its token in ~/.ray/auth_token)
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token"}
+
+
+def _stay_on_loopback() -> None:
+    """Keep this process and the Ray processes it starts on 127.0.0.1, with token authentication.
+
+    Ray reads both switches once (at import, and into its cached config), so besides the environment (which
+    child processes inherit) the already-loaded values are refreshed: the constant, and the config cache.
+    """
+    for key, value in LOOPBACK_ENV.items():
+        os.environ.setdefault(key, value)
+    import ray._private.ray_constants as ray_constants
+    from ray._raylet import Config
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    Config.initialize("")
+
+
+class ClusterUnreachableError(ConnectionError):
+    """The configured Ray address does not answer."""
+
+
+def _check_reachable(address: str, timeout_s: float) -> None:
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise ClusterUnreachableError(f"ray address {address!r} is not host:port (e.g. 127.0.0.1:6379)")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as error:
+        raise ClusterUnreachableError(
+            f"ray address {address} did not answer within {timeout_s:.0f}s ({error}); start the cluster "
+            f"(`ray start --head`), fix trainer.ray.address / RAY_ADDRESS, or unset both to run a local cluster"
+        ) from error
+
+
+def connect(address: str | None = None, namespace: str | None = None, num_cpus: int | None = None, timeout_s: float = 10.0) -> str:
+    """Join the cluster at ``address`` (else RAY_ADDRESS), or start a local one on 127.0.0.1; returns the GCS address."""
+    if ray.is_initialized():
+        return ray.get_runtime_context().gcs_address
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address and address != "local":
+        if address != "auto":
+            _check_reachable(address, timeout_s)
+            if address.removeprefix("ray://").split(":")[0] in ("127.0.0.1", "localhost", "::1"):
+                _stay_on_loopback()  # else Ray swaps the loopback address for the machine's and misses the head
+        ray.init(address=address, namespace=namespace, log_to_driver=False)
+    else:
+        _stay_on_loopback()
+        ray.init(num_cpus=num_cpus, namespace=namespace, include_dashboard=False, log_to_driver=False)
+    return ray.get_runtime_context().gcs_address
+
+
+def start_local_head(port: int, num_cpus: int | None = None, resources: str | None = None) -> str:
+    """Start a persistent head node on 127.0.0.1 (outlives drivers, like a real cluster); returns its address."""
+    ray_cli = shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
+    command = [ray_cli, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--include-dashboard=false", "--disable-usage-stats"]
+    if num_cpus is not None:
+        command.append(f"--num-cpus={num_cpus}")
+    if resources:
+        command.append(f"--resources={resources}")
+    subprocess.run(command, check=True, capture_output=True, env={**os.environ, **LOOPBACK_ENV})
+    return f"127.0.0.1:{port}"
+
+
+def stop_local_head() -> None:
+    ray_cli = shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
+    subprocess.run([ray_cli, "stop", "--force"], check=False, capture_output=True)

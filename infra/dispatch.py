@@ -1,0 +1,52 @@
+"""The dispatch modes of :mod:`rl_core.workers.dispatch`, implemented over a list of Ray actor handles."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rl_core.batch import Batch
+from rl_core.workers.dispatch import DP_COMPUTE, ONE_TO_ALL, RANK_ZERO
+
+
+def split_arguments(mode: str, world_size: int, args: tuple, kwargs: dict) -> tuple[list[tuple[tuple, dict]], int]:
+    """Per-rank (args, kwargs) and the pad size to remove on collect (DP_COMPUTE splits every Batch argument)."""
+    if mode in (ONE_TO_ALL, RANK_ZERO):
+        ranks = 1 if mode == RANK_ZERO else world_size
+        return [(args, kwargs)] * ranks, 0
+    if mode != DP_COMPUTE:
+        raise ValueError(f"unknown dispatch mode {mode!r}")
+    pad_size = 0
+    per_rank_args: list[list[Any]] = [[] for _ in range(world_size)]
+    per_rank_kwargs: list[dict[str, Any]] = [{} for _ in range(world_size)]
+
+    def shards(value: Any) -> list[Any]:
+        nonlocal pad_size
+        if not isinstance(value, Batch):
+            return [value] * world_size
+        padded, pad_size = value.pad_to_multiple(world_size)
+        return padded.chunk(world_size)
+
+    for value in args:
+        for rank, shard in enumerate(shards(value)):
+            per_rank_args[rank].append(shard)
+    for key, value in kwargs.items():
+        for rank, shard in enumerate(shards(value)):
+            per_rank_kwargs[rank][key] = shard
+    return [(tuple(a), k) for a, k in zip(per_rank_args, per_rank_kwargs)], pad_size
+
+
+def collect_results(mode: str, results: list[Any], pad_size: int) -> Any:
+    """Rank 0's result, or (DP_COMPUTE) the ranks' Batches concatenated with the padding removed.
+
+    Metrics in ``meta_info['metrics']`` are averaged over ranks (each rank reports on its own shard).
+    """
+    if mode != DP_COMPUTE or not isinstance(results[0], Batch):
+        return results[0]
+    metrics = [r.meta_info.get("metrics", {}) for r in results]
+    if any(len(r) for r in results):
+        merged = Batch.concat(results).unpad(pad_size)
+    else:
+        merged = Batch(meta_info=dict(results[0].meta_info))
+    if metrics[0]:
+        merged.meta_info["metrics"] = {key: sum(m[key] for m in metrics) / len(metrics) for key in metrics[0]}
+    return merged

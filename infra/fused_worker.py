@@ -1,0 +1,68 @@
+"""Fusing several role classes into one Ray actor process (verl's colocated worker), methods role-prefixed.
+
+``fused_worker_class({"actor_rollout_ref": (ActorRolloutRefWorker, args, kwargs), "critic": (...)})`` builds a
+plain class whose instances hold one object per role and expose ``actor_rollout_ref_update_actor``,
+``critic_compute_values``, ... ; each exposed method keeps its dispatch mode. The fused process also joins the
+torch.distributed group of its worker group and answers health checks.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from rl_core.workers.dispatch import DISPATCH_ATTRIBUTE, dispatch_mode
+
+RoleSpec = tuple[type, tuple, dict]
+
+
+def _public_methods(cls: type) -> dict[str, Callable]:
+    return {name: getattr(cls, name) for name in dir(cls) if not name.startswith("_") and callable(getattr(cls, name)) and dispatch_mode(getattr(cls, name))}
+
+
+def _forwarder(role: str, method_name: str, mode: str) -> Callable:
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.roles[role], method_name)(*args, **kwargs)
+
+    call.__name__ = f"{role}_{method_name}"
+    setattr(call, DISPATCH_ATTRIBUTE, mode)
+    return call
+
+
+class FusedWorkerBase:
+    """What every fused worker process has besides its roles: distributed set-up and health."""
+
+    def __init__(self, role_specs: dict[str, RoleSpec]):
+        self.roles = {role: cls(*args, **kwargs) for role, (cls, args, kwargs) in role_specs.items()}
+
+    def master_address(self) -> tuple[str, int]:
+        """This node's address and a free port, for rank 0 to host the process group's rendezvous."""
+        import ray
+
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            return ray.util.get_node_ip_address(), probe.getsockname()[1]
+
+    def setup_distributed(self, master_addr: str, master_port: int) -> None:
+        """Join the worker group's torch.distributed group (RANK/WORLD_SIZE/LOCAL_RANK are already in the env)."""
+        from rl_core.workers.fsdp import init_distributed_from_env
+
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master_addr, str(master_port)
+        init_distributed_from_env()
+
+    def health(self) -> dict[str, Any]:
+        """Liveness and where the weights are: rank, pid, and each role's number of updates."""
+        return {"rank": int(os.environ.get("RANK", 0)), "world_size": int(os.environ.get("WORLD_SIZE", 1)), "pid": os.getpid(),
+                "node": os.environ.get("PPOFLOW_NODE", ""),
+                "steps_trained": {role: getattr(obj, "steps_trained", None) for role, obj in self.roles.items()}}
+
+
+def fused_worker_class(role_specs: dict[str, RoleSpec]) -> type:
+    """A subclass of :class:`FusedWorkerBase` with ``<role>_<method>`` for every dispatch-declared method of each role."""
+    methods: dict[str, Any] = {}
+    for role, (cls, _, _) in role_specs.items():
+        for name, method in _public_methods(cls).items():
+            methods[f"{role}_{name}"] = _forwarder(role, name, dispatch_mode(method))
+    return type("FusedWorker_" + "_".join(role_specs), (FusedWorkerBase,), methods)

@@ -1,0 +1,107 @@
+"""Resource pools: placement groups of one bundle per worker, STRICT_PACK on each node (verl's design).
+
+A pool is described by ``process_on_nodes``: how many workers on each node (``[8, 8]`` = two nodes of 8).
+Each worker's bundle is ``{GPU: 1, CPU: k}`` on a GPU cluster, ``{CPU: k}`` on a CPU-only one, or
+``{<accelerator>: 1, CPU: k}`` for a custom accelerator resource. Several worker groups can share a pool
+(``max_colocate_count`` = how many colocated worker processes one bundle hosts, each taking an equal share).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+
+
+class InsufficientResourcesError(RuntimeError):
+    """The cluster cannot hold a pool; the message says what is needed and what there is."""
+
+
+@dataclass
+class ResourcePool:
+    name: str
+    process_on_nodes: list[int]
+    accelerator: str | None = None  # "GPU", a custom resource name, or None for CPU-only workers
+    cpus_per_worker: float = 1.0
+    max_colocate_count: int = 1
+    placement_groups: list[PlacementGroup] = field(default_factory=list)
+
+    @property
+    def world_size(self) -> int:
+        return sum(self.process_on_nodes)
+
+    def bundle(self) -> dict[str, float]:
+        return {"CPU": self.cpus_per_worker, **({self.accelerator: 1} if self.accelerator else {})}
+
+    def check_fits(self) -> None:
+        """Fail early, and clearly, when no set of nodes can hold the pool."""
+        unit = self.accelerator or "CPU"
+        per_worker = 1 if self.accelerator else self.cpus_per_worker
+        capacities = sorted((node["Resources"].get(unit, 0) for node in ray.nodes() if node.get("Alive")), reverse=True)
+        needs = sorted(self.process_on_nodes, reverse=True)
+        if len(capacities) < len(needs) or any(cap < n * per_worker for cap, n in zip(capacities, needs)):
+            wanted = ", ".join(f"{n * per_worker:g} {unit}" for n in needs)
+            have = ", ".join(f"{c:g}" for c in capacities) or "none"
+            raise InsufficientResourcesError(
+                f"resource pool {self.name!r} needs {len(needs)} node(s) with {wanted}; the cluster's nodes have {unit}: {have}. "
+                f"Lower trainer.n_gpus_per_node / trainer.nnodes or add nodes")
+
+    def create(self, namespace_prefix: str, timeout_s: float = 60.0, detached: bool = True) -> None:
+        """Reserve the bundles (one placement group per node, STRICT_PACK); waits up to ``timeout_s``."""
+        self.check_fits()
+        for node_index, count in enumerate(self.process_on_nodes):
+            group = placement_group([self.bundle()] * count, strategy="STRICT_PACK", name=f"{namespace_prefix}-{self.name}-node{node_index}",
+                                    lifetime="detached" if detached else None)
+            ready, _ = ray.wait([group.ready()], timeout=timeout_s)
+            if not ready:
+                remove_placement_group(group)
+                self.remove()
+                raise InsufficientResourcesError(f"resource pool {self.name!r}: node {node_index}'s {count} bundles {self.bundle()} were not "
+                                                 f"placed within {timeout_s:.0f}s (are other runs holding the resources?)")
+            self.placement_groups.append(group)
+
+    def slots(self) -> list[tuple[PlacementGroup, int, int]]:
+        """(placement group, bundle index, local rank) for each worker, in global rank order."""
+        return [(group, index, index) for group in self.placement_groups for index in range(group.bundle_count)]
+
+    def remove(self) -> None:
+        for group in self.placement_groups:
+            remove_placement_group(group)
+        self.placement_groups = []
+
+
+def remove_placement_groups(name_prefix: str) -> int:
+    """Remove every live placement group whose name starts with ``name_prefix`` (cleanup after a reattach)."""
+    removed = 0
+    for group_id, info in ray.util.placement_group_table().items():
+        if info.get("name", "").startswith(name_prefix) and info.get("state") != "REMOVED":
+            remove_placement_group(ray.util.get_placement_group(info["name"]))
+            removed += 1
+    return removed
+
+
+class ResourcePoolManager:
+    """Pools by name and which role runs on which pool (e.g. actor_rollout_ref and critic share ``global_pool``)."""
+
+    def __init__(self, pools: list[ResourcePool], role_to_pool: dict[str, str]):
+        self.pools = {pool.name: pool for pool in pools}
+        missing = sorted(set(role_to_pool.values()) - set(self.pools))
+        if missing:
+            raise ValueError(f"roles map to undefined resource pools {missing}; defined: {sorted(self.pools)}")
+        self.role_to_pool = dict(role_to_pool)
+
+    def pool_for(self, role: str) -> ResourcePool:
+        if role not in self.role_to_pool:
+            raise KeyError(f"role {role!r} has no resource pool; mapped roles: {sorted(self.role_to_pool)}")
+        return self.pools[self.role_to_pool[role]]
+
+    def create_all(self, namespace_prefix: str, timeout_s: float = 60.0) -> None:
+        for pool in self.pools.values():
+            pool.check_fits()
+        for pool in self.pools.values():
+            pool.create(namespace_prefix, timeout_s)
+
+    def remove_all(self) -> None:
+        for pool in self.pools.values():
+            pool.remove()

@@ -1,0 +1,163 @@
+"""A worker group: one fused worker actor per bundle of a resource pool, driven as one object.
+
+* Actors are named ``<prefix>-rank<r>``, detached, in the run's namespace: a later driver (a retried flow run)
+  reattaches with :meth:`WorkerGroup.reattach` instead of reloading models; :meth:`WorkerGroup.kill` ends them.
+* Each actor gets RANK / WORLD_SIZE / LOCAL_RANK; rank 0 picks MASTER_ADDR / MASTER_PORT and every rank joins
+  the torch.distributed group (gloo on CPU, nccl on GPU).
+* ``group.role("actor_rollout_ref").update_actor(batch)`` calls ``actor_rollout_ref_update_actor`` on the
+  ranks as the method's dispatch mode says, and waits at most ``timeout_s``: a dead worker is an error naming
+  it as soon as Ray reports the death (never a hang on its peers), a slow one an error naming the stage and
+  the ranks that did not answer.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from infra.dispatch import collect_results, split_arguments
+from infra.fused_worker import RoleSpec, fused_worker_class
+from infra.resource_pool import ResourcePool, remove_placement_groups
+from rl_core.workers.dispatch import dispatch_mode
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process died (or was killed) during a call."""
+
+    def __init__(self, message: str, worker: str):
+        super().__init__(message)
+        self.worker = worker
+
+
+class WorkerTimeoutError(TimeoutError):
+    """Workers did not answer a call within its timeout."""
+
+
+class WorkerGroup:
+    def __init__(self, actors: list[Any], names: list[str], role_specs: dict[str, RoleSpec], namespace: str, prefix: str):
+        self.actors, self.names, self.namespace, self.prefix = actors, names, namespace, prefix
+        self.fused_class = fused_worker_class(role_specs)
+        self.roles = list(role_specs)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.actors)
+
+    # ------------------------------------------------------------------ creation and reattachment
+    @classmethod
+    def create(cls, pool: ResourcePool, role_specs: dict[str, RoleSpec], prefix: str, namespace: str, timeout_s: float = 120.0,
+               env_vars: dict[str, str] | None = None) -> WorkerGroup:
+        """Start one fused worker per bundle of ``pool`` and join them in a process group. The pool's placement
+        groups are created here, named after ``prefix`` (so that :meth:`kill` finds them after a reattach)."""
+        if not pool.placement_groups:
+            pool.create(prefix, timeout_s)
+        remote_class = ray.remote(fused_worker_class(role_specs))
+        world, actors, names = pool.world_size, [], []
+        share = 1.0 / pool.max_colocate_count
+        for rank, (group, bundle_index, local_rank) in enumerate(pool.slots()):
+            name = f"{prefix}-rank{rank}"
+            env = {**(env_vars or {}), "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local_rank)}
+            options: dict[str, Any] = {
+                "name": name, "namespace": namespace, "lifetime": "detached", "max_restarts": 0, "max_concurrency": 2,
+                "num_cpus": pool.cpus_per_worker * share, "runtime_env": {"env_vars": env},
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=bundle_index),
+            }
+            if pool.accelerator == "GPU":
+                options["num_gpus"] = share
+            elif pool.accelerator:
+                options["resources"] = {pool.accelerator: share}
+            actors.append(remote_class.options(**options).remote(role_specs))
+            names.append(name)
+        group = cls(actors, names, role_specs, namespace, prefix)
+        if world > 1:
+            master_addr, master_port = group._wait([actors[0].master_address.remote()], "set-up", timeout_s, names[:1])[0]
+            group._wait([a.setup_distributed.remote(master_addr, master_port) for a in actors], "set-up", timeout_s, names)
+        else:
+            group.health(timeout_s)
+        return group
+
+    @classmethod
+    def reattach(cls, prefix: str, namespace: str, role_specs: dict[str, RoleSpec], timeout_s: float = 30.0) -> WorkerGroup:
+        """The live group named ``prefix`` in ``namespace`` (raises ValueError when rank 0 does not exist)."""
+        try:
+            first = ray.get_actor(f"{prefix}-rank0", namespace=namespace)
+        except ValueError as error:
+            raise ValueError(f"no worker group {prefix!r} in namespace {namespace!r}") from error
+        world = ray.get(first.health.remote(), timeout=timeout_s)["world_size"]
+        names = [f"{prefix}-rank{rank}" for rank in range(world)]
+        actors = [first] + [ray.get_actor(name, namespace=namespace) for name in names[1:]]
+        group = cls(actors, names, role_specs, namespace, prefix)
+        group.health(timeout_s)
+        return group
+
+    # ------------------------------------------------------------------ calls
+    def role(self, role: str) -> RoleView:
+        if role not in self.roles:
+            raise KeyError(f"this worker group has roles {self.roles}, not {role!r}")
+        return RoleView(self, role)
+
+    def execute(self, method: str, *args: Any, timeout_s: float = 600.0, stage: str | None = None, **kwargs: Any) -> Any:
+        """Call ``method`` (a role-prefixed name) on the ranks according to its dispatch mode."""
+        mode = dispatch_mode(getattr(self.fused_class, method))
+        per_rank, pad_size = split_arguments(mode, self.world_size, args, kwargs)
+        refs = [getattr(actor, method).remote(*a, **k) for actor, (a, k) in zip(self.actors, per_rank)]
+        results = self._wait(refs, stage or method, timeout_s, self.names[: len(refs)])
+        return collect_results(mode, results, pad_size)
+
+    def health(self, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+        """Each rank's health report; WorkerDiedError / WorkerTimeoutError name the first bad worker."""
+        return self._wait([actor.health.remote() for actor in self.actors], "health check", timeout_s, self.names)
+
+    def _wait(self, refs: list, stage: str, timeout_s: float, names: list[str]) -> list[Any]:
+        """Results in rank order; the first failure is raised at once, naming its worker."""
+        index_of = {ref: i for i, ref in enumerate(refs)}
+        results: list[Any] = [None] * len(refs)
+        pending, deadline = list(refs), time.monotonic() + timeout_s
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                late = [names[index_of[ref]] for ref in pending]
+                raise WorkerTimeoutError(f"stage {stage!r}: workers {late} did not answer within {timeout_s:.0f}s; "
+                                         f"raise trainer.worker_timeout_s if the stage is just slow")
+            ref = ready[0]
+            try:
+                results[index_of[ref]] = ray.get(ref)
+            except RayActorError as error:
+                name = names[index_of[ref]]
+                raise WorkerDiedError(f"stage {stage!r}: worker {name} died ({type(error).__name__}); the group must be rebuilt from the last checkpoint", name) from error
+            except RayTaskError as error:
+                raise error.as_instanceof_cause() from None
+            except GetTimeoutError:  # pragma: no cover - ray.wait said it was ready
+                raise
+        return results
+
+    # ------------------------------------------------------------------ cleanup
+    def kill(self) -> None:
+        """End every worker and free the pool's placement groups."""
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # already dead
+                pass
+        remove_placement_groups(f"{self.prefix}-")
+
+
+class RoleView:
+    """``view.method(...)`` = ``group.execute("<role>_method", ...)``: the bare method names of one role."""
+
+    def __init__(self, group: WorkerGroup, role: str):
+        self._group, self._role = group, role
+
+    def __getattr__(self, method: str) -> Any:
+        full_name = f"{self._role}_{method}"
+        if not hasattr(self._group.fused_class, full_name):
+            raise AttributeError(f"role {self._role!r} has no dispatched method {method!r}")
+
+        def call(*args: Any, timeout_s: float = 600.0, stage: str | None = None, **kwargs: Any) -> Any:
+            return self._group.execute(full_name, *args, timeout_s=timeout_s, stage=stage or method, **kwargs)
+
+        return call

@@ -1,0 +1,103 @@
+"""FSDP2 for the workers: the process group from the environment, sharding, full-weight views and
+full (rank-0) state dicts. With a world size of 1 every function is a no-op or the plain equivalent.
+
+Sharding is ``fully_shard`` on each transformer block and then on the whole model (``param_offload``
+moves the sharded parameters to CPU between uses, ``optimizer_offload`` keeps optimizer state on CPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
+
+from rl_core.algos.config_access import config_get
+from rl_core.workers.data_parallel import world_size
+
+
+def init_distributed_from_env() -> None:
+    """Join the process group described by RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (gloo on CPU, nccl on GPU)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1 or dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, rank=int(os.environ["RANK"]), world_size=world)
+
+
+def is_rank_zero() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated transformer blocks (HF's ``_no_split_modules`` classes), the natural FSDP units."""
+    names = set()
+    for sub in module.modules():
+        names |= set(getattr(sub, "_no_split_modules", None) or [])
+    return [sub for sub in module.modules() if type(sub).__name__ in names]
+
+
+def shard_module(module: torch.nn.Module, fsdp_config: Any = None) -> torch.nn.Module:
+    """``fully_shard`` the blocks and the root when the world size is > 1; the module itself otherwise."""
+    if world_size() <= 1:
+        return module
+    kwargs = {"offload_policy": CPUOffloadPolicy()} if config_get(fsdp_config, "param_offload", False) else {}
+    for block in _blocks(module):
+        fully_shard(block, **kwargs)
+    fully_shard(module, **kwargs)
+    return module
+
+
+@contextlib.contextmanager
+def full_parameters(module: torch.nn.Module) -> Iterator[None]:
+    """All parameters gathered on every rank for the block, so that ranks can run different numbers of forward
+    passes without collectives (generation: each rank stops at its own EOS)."""
+    sharded = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    for m in sharded:
+        m.unshard()
+        m.set_reshard_after_forward(False)
+    try:
+        yield
+    finally:
+        for m in sharded:
+            m.set_reshard_after_forward(True)
+            m.reshard()
+
+
+def full_model_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's weights on rank 0 (CPU); an empty dict on the other ranks. All ranks must call it."""
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_model_state_dict(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+    """Load full weights (read on rank 0, broadcast) into a possibly sharded module; returns (missing, unexpected)."""
+    if world_size() <= 1:
+        return module.load_state_dict(state, strict=False)
+    result = set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False))
+    return list(result.missing_keys), list(result.unexpected_keys)
+
+
+def full_optimizer_state_dict(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    if world_size() <= 1:
+        return optimizer.state_dict()
+    return get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_optimizer_state_dict(module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    if world_size() <= 1:
+        optimizer.load_state_dict(state)
+    else:
+        set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))

@@ -1,0 +1,147 @@
+"""Ray cluster connection, resource pools and worker groups on a real local Ray cluster (cheap echo workers)."""
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import ray
+import torch
+
+from infra.resource_pool import InsufficientResourcesError, ResourcePool
+from infra.worker_group import WorkerDiedError, WorkerGroup, WorkerTimeoutError
+from rl_core.batch import Batch
+from tests.infra.conftest import ROOT
+from tests.infra.helpers import EchoWorker
+
+ECHO = {"echo": (EchoWorker, ("a",), {}), "other": (EchoWorker, ("b",), {})}
+
+
+def run_python(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def test_an_unreachable_address_fails_within_seconds():
+    start = time.monotonic()
+    result = run_python("""
+        from infra.cluster import connect
+        connect("127.0.0.1:1", timeout_s=2)
+    """)
+    assert result.returncode != 0
+    assert "ray address 127.0.0.1:1 did not answer within 2s" in result.stderr
+    assert time.monotonic() - start < 30
+
+
+def test_pool_precheck_names_what_is_missing(ray_address):
+    with pytest.raises(InsufficientResourcesError, match=r"needs 1 node\(s\) with 8 GPU; the cluster's nodes have GPU: 0"):
+        ResourcePool("actor_pool", [8], accelerator="GPU").check_fits()
+    with pytest.raises(InsufficientResourcesError, match="needs 2 node"):
+        ResourcePool("two_nodes", [1, 1]).check_fits()
+
+
+@pytest.fixture(scope="module")
+def echo_group(ray_address, worker_env):
+    group = WorkerGroup.create(ResourcePool("echo", [3]), ECHO, prefix="echo-test", namespace="ppoflow-tests", env_vars=worker_env)
+    yield group
+    group.kill()
+
+
+def test_fused_roles_share_one_process_per_rank(echo_group):
+    a = echo_group.role("echo").whoami()
+    b = echo_group.role("other").whoami()
+    assert (a["tag"], b["tag"]) == ("a", "b") and a["pid"] == b["pid"]  # both roles in rank 0's process
+    reports = echo_group.health()
+    assert [r["rank"] for r in reports] == [0, 1, 2] and len({r["pid"] for r in reports}) == 3
+    assert echo_group.role("echo").rank_zero_only() == 0
+    assert hasattr(echo_group.fused_class, "echo_double") and hasattr(echo_group.fused_class, "other_double")
+
+
+@pytest.mark.parametrize("size", [7, 3, 1, 9])
+def test_dp_dispatch_with_sizes_not_divisible_by_the_world(echo_group, size):
+    out = echo_group.role("echo").double(Batch({"x": torch.arange(size)}))
+    assert out.tensors["doubled"].tolist() == [2 * i for i in range(size)]
+    per_rank = -(-size // 3)
+    assert out.tensors["rank"].tolist() == [i // per_rank for i in range(size)]  # contiguous shards in rank order
+
+
+def test_a_slow_call_times_out_naming_the_stage_and_workers(echo_group):
+    with pytest.raises(WorkerTimeoutError, match=r"stage 'slow': workers \['echo-test-rank0', 'echo-test-rank1', 'echo-test-rank2'\] did not answer within 1s"):
+        echo_group.role("echo").sleep(3, timeout_s=1, stage="slow")
+    time.sleep(2.5)  # let the sleeps finish before the next test
+
+
+def test_a_second_driver_reattaches_to_the_detached_workers(echo_group, ray_address):
+    echo_group.role("echo").sleep(0.0)
+    result = run_python(f"""
+        import json
+        from infra.cluster import connect
+        from infra.worker_group import WorkerGroup
+        from tests.infra.helpers import EchoWorker
+        connect("{ray_address}", namespace="ppoflow-tests")
+        group = WorkerGroup.reattach("echo-test", "ppoflow-tests", {{"echo": (EchoWorker, ("a",), {{}}), "other": (EchoWorker, ("b",), {{}})}})
+        print(json.dumps([r["steps_trained"]["echo"] for r in group.health()]))
+    """)
+    assert result.returncode == 0, result.stderr[-2000:]
+    steps = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(steps) == 3 and steps == [r["steps_trained"]["echo"] for r in echo_group.health()] and min(steps) >= 1
+
+
+def test_killing_a_worker_mid_call_is_a_quick_clear_error(ray_address, worker_env):
+    group = WorkerGroup.create(ResourcePool("doomed", [2]), {"echo": (EchoWorker, (), {})}, prefix="doomed", namespace="ppoflow-tests", env_vars=worker_env)
+    try:
+        ref_holder = []
+
+        def kill_rank1_soon():
+            time.sleep(1.0)
+            ray.kill(group.actors[1], no_restart=True)
+            ref_holder.append(time.monotonic())
+
+        import threading
+
+        killer = threading.Thread(target=kill_rank1_soon)
+        killer.start()
+        with pytest.raises(WorkerDiedError, match="stage 'update': worker doomed-rank1 died") as caught:
+            group.role("echo").sleep(60, timeout_s=120, stage="update")
+        killer.join()
+        assert caught.value.worker == "doomed-rank1"
+        assert time.monotonic() - ref_holder[0] < 10  # never waits for the 60 s call of the live rank
+        with pytest.raises(WorkerDiedError, match="health check: worker doomed-rank1 died|doomed-rank1"):
+            group.health(timeout_s=10)
+    finally:
+        group.kill()
+    with pytest.raises(ValueError, match="no worker group 'doomed'"):
+        WorkerGroup.reattach("doomed", "ppoflow-tests", {"echo": (EchoWorker, (), {})})
+
+
+def test_a_simulated_two_node_cluster_places_pools_per_node():
+    # a separate driver: ray.cluster_utils.Cluster starts its own head, which this session's driver cannot join
+    result = run_python("""
+        import os
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        import ray
+        from ray.cluster_utils import Cluster
+        from infra.resource_pool import ResourcePool, InsufficientResourcesError
+        from infra.worker_group import WorkerGroup
+        from tests.infra.helpers import EchoWorker
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"fake_gpu": 0}})
+        node_a = cluster.add_node(num_cpus=2, resources={"fake_gpu": 2})
+        node_b = cluster.add_node(num_cpus=2, resources={"fake_gpu": 2})
+        ray.init(address=cluster.address)
+        try:
+            ResourcePool("too_big", [3], accelerator="fake_gpu").check_fits()
+        except InsufficientResourcesError as error:
+            print("PRECHECK", error)
+        pool = ResourcePool("global_pool", [2, 2], accelerator="fake_gpu")
+        group = WorkerGroup.create(pool, {"echo": (EchoWorker, (), {})}, prefix="two-nodes", namespace="t",
+                                   env_vars={"PYTHONPATH": os.getcwd()})
+        nodes = ray.get([a.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()) for a in group.actors])
+        print("NODES", nodes[0] == nodes[1], nodes[2] == nodes[3], nodes[0] != nodes[2], sorted(set(nodes)) == sorted({node_a.node_id, node_b.node_id}))
+        group.kill()
+        ray.shutdown()
+        cluster.shutdown()
+    """, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "NODES True True True True" in result.stdout
+    assert "needs 1 node(s) with 3 fake_gpu; the cluster's nodes have fake_gpu: 2, 2, 0" in result.stdout
