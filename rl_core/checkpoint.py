@@ -94,6 +94,9 @@ def save_model_weights(model: torch.nn.Module, tokenizer: Any, folder: str | Pat
 
     ``state_dict`` gives the full weights when the module is sharded (call on rank 0 only).
     """
+    if state_dict is not None and getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        # the same layout as an unsharded save: a tied output layer is not stored twice
+        state_dict = {k: v for k, v in state_dict.items() if not k.endswith("lm_head.weight")}
     model.save_pretrained(folder, safe_serialization=True, **({"state_dict": state_dict} if state_dict is not None else {}))
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)

@@ -1,11 +1,15 @@
 """Shared fixtures: the project's config tree and a tiny local HF checkpoint built once per test session."""
 
+import os
+import socket
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 from omegaconf import OmegaConf
 
+from infra.cluster import connect, start_local_head, stop_local_head
 from rl_core.models.tiny import make_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,3 +38,25 @@ def config(tiny_model_path):
 @pytest.fixture(autouse=True)
 def _seeded():
     torch.manual_seed(0)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_address():
+    """One persistent head on 127.0.0.1 for the whole session (8 logical CPUs: tests oversubscribe the 2 cores)."""
+    address = start_local_head(free_port(), num_cpus=8)
+    connect(address, namespace="ppoflow-tests")
+    yield address
+    ray.shutdown()
+    stop_local_head()
+
+
+@pytest.fixture(scope="session")
+def worker_env():
+    """Workers import the test helpers too."""
+    return {"PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}

@@ -33,7 +33,7 @@ from rl_core.models.optim import build_lr_scheduler, build_optimizer
 from rl_core.rollout import build_rollout_engine
 from rl_core.workers.data_parallel import world_size
 from rl_core.workers.dispatch import DP_COMPUTE, ONE_TO_ALL, dispatch
-from rl_core.workers.fsdp import full_parameters, shard_module
+from rl_core.workers.fsdp import full_parameters, optimizer_state_on_device, shard_module
 from rl_core.workers.train_loop import local_mini_batch_size, run_updates
 
 ROLES = ("actor", "rollout", "ref")
@@ -151,13 +151,14 @@ class ActorRolloutRefWorker:
                 metrics["actor/kl_loss"] = kl_loss.item()
             return loss, metrics
 
-        metrics = run_updates(
-            "actor", self.module, self.optimizer, batch,
-            mini_batch_size=local_mini_batch_size(int(config_get(actor, "ppo_mini_batch_size", len(batch))) * n, "actor_rollout_ref.actor"),
-            micro_batch_size=int(config_get(actor, "ppo_micro_batch_size_per_gpu", 8)),
-            epochs=int(config_get(actor, "ppo_epochs", 1)), shuffle=bool(config_get(actor, "shuffle", False)),
-            seed=self.steps_trained, grad_clip=float(config_get(actor, "grad_clip", 1.0)), micro_loss=micro_loss,
-        )
+        with optimizer_state_on_device(self.optimizer, bool(config_get(config_get(actor, "fsdp_config"), "optimizer_offload", False))):
+            metrics = run_updates(
+                "actor", self.module, self.optimizer, batch,
+                mini_batch_size=local_mini_batch_size(int(config_get(actor, "ppo_mini_batch_size", len(batch))) * n, "actor_rollout_ref.actor"),
+                micro_batch_size=int(config_get(actor, "ppo_micro_batch_size_per_gpu", 8)),
+                epochs=int(config_get(actor, "ppo_epochs", 1)), shuffle=bool(config_get(actor, "shuffle", False)),
+                seed=self.steps_trained, grad_clip=float(config_get(actor, "grad_clip", 1.0)), micro_loss=micro_loss,
+            )
         if use_kl_loss:
             metrics["actor/kl_coef"] = float(config_get(actor, "kl_loss_coef", 0.001))
         self.lr_scheduler.step()

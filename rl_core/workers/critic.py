@@ -17,7 +17,7 @@ from rl_core.models.lora import apply_lora
 from rl_core.models.optim import build_lr_scheduler, build_optimizer
 from rl_core.models.value_head import load_critic_model
 from rl_core.workers.dispatch import DP_COMPUTE, ONE_TO_ALL, dispatch
-from rl_core.workers.fsdp import shard_module
+from rl_core.workers.fsdp import optimizer_state_on_device, shard_module
 from rl_core.workers.train_loop import local_mini_batch_size, run_updates
 
 
@@ -64,13 +64,14 @@ class CriticWorker:
             return vf_loss, {"critic/vf_loss": vf_loss.item(), "critic/vf_clipfrac": vf_clipfrac.item(),
                              "critic/vpred_mean": masked_mean(vpreds, mask).item()}
 
-        metrics = run_updates(
-            "critic", self.module, self.optimizer, batch,
-            mini_batch_size=local_mini_batch_size(int(config_get(config, "ppo_mini_batch_size", len(batch))) * n, "critic"),
-            micro_batch_size=int(config_get(config, "ppo_micro_batch_size_per_gpu", 8)),
-            epochs=int(config_get(config, "ppo_epochs", 1)), shuffle=bool(config_get(config, "shuffle", False)),
-            seed=self.steps_trained, grad_clip=float(config_get(config, "grad_clip", 1.0)), micro_loss=micro_loss,
-        )
+        with optimizer_state_on_device(self.optimizer, bool(config_get(config_get(config, "fsdp"), "optimizer_offload", False))):
+            metrics = run_updates(
+                "critic", self.module, self.optimizer, batch,
+                mini_batch_size=local_mini_batch_size(int(config_get(config, "ppo_mini_batch_size", len(batch))) * n, "critic"),
+                micro_batch_size=int(config_get(config, "ppo_micro_batch_size_per_gpu", 8)),
+                epochs=int(config_get(config, "ppo_epochs", 1)), shuffle=bool(config_get(config, "shuffle", False)),
+                seed=self.steps_trained, grad_clip=float(config_get(config, "grad_clip", 1.0)), micro_loss=micro_loss,
+            )
         self.lr_scheduler.step()
         self.steps_trained += 1
         return Batch(meta_info={"metrics": metrics})

@@ -101,3 +101,25 @@ def load_full_optimizer_state_dict(module: torch.nn.Module, optimizer: torch.opt
         optimizer.load_state_dict(state)
     else:
         set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+
+@contextlib.contextmanager
+def optimizer_state_on_device(optimizer: torch.optim.Optimizer, offload: bool) -> Iterator[None]:
+    """With ``offload`` (``optimizer_offload``), keep the optimizer state on CPU outside the update: it is moved
+    to the parameters' device for the block and back to CPU after it."""
+    if not offload:
+        yield
+        return
+    device = next(p.device for group in optimizer.param_groups for p in group["params"])
+    _move_optimizer_state(optimizer, device)
+    try:
+        yield
+    finally:
+        _move_optimizer_state(optimizer, torch.device("cpu"))
+
+
+def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and key != "step":
+                state[key] = value.to(device, non_blocking=True)

@@ -1,6 +1,7 @@
 """The update loop shared by the actor and the critic: epochs x mini-batches x micro-batches.
 
-One optimizer step per mini-batch; micro-batches accumulate gradients. Each micro-batch's loss is computed
+One optimizer step per mini-batch; micro-batches accumulate gradients. Under data parallelism each rank cuts
+its own shard into mini-batches of ``global mini-batch / world size`` rows (as verl does). Each micro-batch's loss is computed
 with the *mini-batch's* global token and sequence counts (``global_batch_info``), so the accumulated gradient
 equals the gradient of the whole mini-batch's loss, whatever the micro-batch size or the number of ranks.
 """

@@ -10,10 +10,10 @@ import pytest
 import ray
 import torch
 
-from infra.resource_pool import InsufficientResourcesError, ResourcePool
+from infra.resource_pool import InsufficientResourcesError, ResourcePool, ResourcePoolManager
 from infra.worker_group import WorkerDiedError, WorkerGroup, WorkerTimeoutError
 from rl_core.batch import Batch
-from tests.infra.conftest import ROOT
+from tests.conftest import ROOT
 from tests.infra.helpers import EchoWorker
 
 ECHO = {"echo": (EchoWorker, ("a",), {}), "other": (EchoWorker, ("b",), {})}
@@ -39,6 +39,17 @@ def test_pool_precheck_names_what_is_missing(ray_address):
         ResourcePool("actor_pool", [8], accelerator="GPU").check_fits()
     with pytest.raises(InsufficientResourcesError, match="needs 2 node"):
         ResourcePool("two_nodes", [1, 1]).check_fits()
+
+
+def test_pool_manager_maps_roles_to_pools():
+    manager = ResourcePoolManager([ResourcePool("global_pool", [2]), ResourcePool("reward_pool", [1])],
+                                  {"actor_rollout_ref": "global_pool", "critic": "global_pool", "reward_model": "reward_pool"})
+    assert manager.pool_for("critic") is manager.pool_for("actor_rollout_ref")
+    assert manager.pool_for("reward_model").world_size == 1
+    with pytest.raises(KeyError, match="role 'ref' has no resource pool"):
+        manager.pool_for("ref")
+    with pytest.raises(ValueError, match=r"undefined resource pools \['gpu_pool'\]"):
+        ResourcePoolManager([ResourcePool("global_pool", [1])], {"actor_rollout_ref": "gpu_pool"})
 
 
 @pytest.fixture(scope="module")
