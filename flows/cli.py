@@ -35,9 +35,30 @@ def _prepare_gsm8k(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    import os
+
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")  # the flow prints one line per step itself
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from flows.config import ConfigError
+
+    try:
+        from flows.train import summary_line, train
+
+        result = train(overrides=args.overrides)
+    except ConfigError as error:
+        print(f"ppoflow train: {error}", file=sys.stderr)
+        return 2
+    print(summary_line(result))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ppoflow", description="RL post-training of LLMs: Prefect flows driving Ray workers, tracked in MLflow.")
     commands = parser.add_subparsers(dest="command", required=True)
+    train = commands.add_parser("train", help="run PPO/GRPO training (Hydra overrides, e.g. algorithm.adv_estimator=gae); no overrides = the embedded demo")
+    train.add_argument("overrides", nargs="*", help="Hydra overrides key=value (see configs/ppo_trainer.yaml)")
+    train.set_defaults(run=_train)
     algos = commands.add_parser("algos", help="list the registered advantage estimators, policy losses, aggregations and KL penalties")
     algos.set_defaults(run=_list_algorithms)
     tiny = commands.add_parser("make-tiny-model", help="write a tiny Qwen2 model + tokenizer (no download) to OUT")

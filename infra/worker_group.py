@@ -136,6 +136,20 @@ class WorkerGroup:
         return results
 
     # ------------------------------------------------------------------ cleanup
+    @staticmethod
+    def kill_named(prefix: str, namespace: str) -> int:
+        """Kill whatever ranks of the group ``prefix`` still exist (after a failed reattach); returns how many."""
+        killed, rank = 0, 0
+        while True:
+            try:
+                actor = ray.get_actor(f"{prefix}-rank{rank}", namespace=namespace)
+            except ValueError:
+                break
+            ray.kill(actor, no_restart=True)
+            killed, rank = killed + 1, rank + 1
+        remove_placement_groups(f"{prefix}-")
+        return killed
+
     def kill(self) -> None:
         """End every worker and free the pool's placement groups."""
         for actor in self.actors:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from rl_core.batch import Batch
@@ -29,4 +31,29 @@ def compute_data_metrics(batch: Batch) -> dict[str, float]:
     metrics |= _stats("response_length", lengths)
     metrics["response_length/clip_ratio"] = (lengths >= batch.tensors["response_mask"].shape[-1]).float().mean().item()
     metrics |= _stats("prompt_length", batch.tensors["attention_mask"].sum(-1) - lengths)
+    return metrics
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct (Chen et al. 2021): 1 - C(n-c, k) / C(n, k)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def validation_metrics(data_sources: list[str], uids: list[str], scores: list[float], n: int) -> dict[str, float]:
+    """Per data source: ``val-core/<ds>/acc/mean@n`` (mean score of all samples) and, when n > 1, the unbiased
+    ``pass@k`` (a sample counts as correct when its score is > 0) for k = n (val-core) and powers of 2 < n (val-aux)."""
+    metrics: dict[str, float] = {}
+    for source in sorted(set(data_sources)):
+        rows = [i for i, s in enumerate(data_sources) if s == source]
+        metrics[f"val-core/{source}/acc/mean@{n}"] = sum(scores[i] for i in rows) / len(rows)
+        if n > 1:
+            correct: dict[str, list[bool]] = {}
+            for i in rows:
+                correct.setdefault(uids[i], []).append(scores[i] > 0)
+            ks = sorted({k for k in (2 ** p for p in range(n.bit_length())) if k < n} | {n})
+            for k in ks:
+                value = sum(pass_at_k(len(c), sum(c), k) for c in correct.values()) / len(correct)
+                metrics[f"{'val-core' if k == n else 'val-aux'}/{source}/acc/pass@{k}"] = value
     return metrics

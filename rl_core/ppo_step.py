@@ -92,3 +92,29 @@ def run_ppo_step(prompts: Batch, actor: Any, critic: Any | None, reward_fn: Call
     if global_step >= int(config_get(config_get(config, "trainer"), "critic_warmup", 0)):
         merge_stage(batch, timed("update_actor", lambda: actor.update_actor(batch)), metrics)         # 8. actor update
     return batch, {**metrics, **compute_data_metrics(batch), **timing}
+
+
+def informative_groups(batch: Batch, metric: str = "seq_reward") -> list[int]:
+    """Rows of the groups (same uid) whose sequence scores are not all equal: DAPO dynamic sampling keeps only
+    those, since a group with one score gives every sample a zero advantage. ``metric``: ``seq_reward`` (the
+    score) or ``seq_final_reward`` (after KL in the reward)."""
+    key = "token_level_rewards" if metric == "seq_final_reward" and "token_level_rewards" in batch else "token_level_scores"
+    scores = batch.tensors[key].sum(-1).tolist()
+    by_uid: dict[str, list[int]] = {}
+    for row, uid in enumerate(batch.non_tensors["uid"]):
+        by_uid.setdefault(uid, []).append(row)
+    return [row for rows in by_uid.values() if len({scores[r] for r in rows}) > 1 for row in rows]
+
+
+def balanced_order(lengths: list[int], world_size: int) -> list[int]:
+    """A permutation giving each of ``world_size`` equal, contiguous shards a similar token count (``balance_batch``):
+    longest sequences first, each to the shard with the fewest tokens that still has room."""
+    per_shard = len(lengths) // world_size
+    shards: list[list[int]] = [[] for _ in range(world_size)]
+    totals = [0] * world_size
+    for row in sorted(range(len(lengths)), key=lambda r: -lengths[r]):
+        open_shards = [s for s in range(world_size) if len(shards[s]) < per_shard] or list(range(world_size))
+        target = min(open_shards, key=lambda s: totals[s])
+        shards[target].append(row)
+        totals[target] += lengths[row]
+    return [row for shard in shards for row in sorted(shard)]

@@ -1,0 +1,98 @@
+"""MLflow tracking of one training run, through an explicit client and run id (the fluent API is thread-local).
+
+* one run per training run: experiment = ``trainer.project_name``, run name = ``trainer.experiment_name``;
+* params = the flattened config (once; values of keys that look like secrets are redacted), the composed YAML
+  as an artifact;
+* each step's metrics in ONE ``log_batch`` call (names as :func:`metric_key` makes them), with ``training/global_step`` as the step's marker: a resumed
+  run asks MLflow which steps are already there and does not log them again (no duplicated, no missing step);
+* rollout samples as an MLflow table, checkpoint paths as tags, the final actor as an HF-format artifact,
+  optionally registered as a model version.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.tracking import MlflowClient
+from omegaconf import DictConfig, OmegaConf
+
+from flows.config import flatten
+
+STEP_MARKER = "training/global_step"
+INVALID_METRIC_CHARS = re.compile(r"[^A-Za-z0-9_\-. :/]")
+
+
+def metric_key(name: str) -> str:
+    """MLflow's form of a verl metric name: ``@`` (not allowed in MLflow) becomes ``_at_`` as in verl's MLflow
+    logger, so ``val-core/<ds>/acc/mean@4`` is logged as ``val-core/<ds>/acc/mean_at_4``."""
+    return INVALID_METRIC_CHARS.sub("_", name.replace("@", "_at_"))
+SECRET_KEY = re.compile(r"(token|secret|password|api_key|credential)", re.IGNORECASE)
+
+
+def tracking_uri(config: DictConfig) -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or config.trainer.tracking_uri
+
+
+class RunTracker:
+    def __init__(self, config: DictConfig, run_id: str | None = None):
+        self.client = MlflowClient(tracking_uri(config))
+        self.uri = tracking_uri(config)
+        if run_id is None:
+            experiment = self.client.get_experiment_by_name(config.trainer.project_name)
+            if experiment is None:
+                location = Path(config.trainer.artifact_location).expanduser().resolve().as_uri()
+                experiment_id = self.client.create_experiment(config.trainer.project_name, artifact_location=location)
+            else:
+                experiment_id = experiment.experiment_id
+            run = self.client.create_run(experiment_id, run_name=config.trainer.experiment_name, tags={"ppoflow.status": "running"})
+            self.run_id = run.info.run_id
+            self._log_config(config)
+        else:
+            self.run_id = run_id
+            self.client.get_run(run_id)  # fails clearly when the run does not exist
+            self.client.update_run(run_id, status="RUNNING")
+        self.last_logged_step = max((m.step for m in self.client.get_metric_history(self.run_id, STEP_MARKER)), default=-1)
+
+    def _log_config(self, config: DictConfig) -> None:
+        params = [Param(key, "***" if SECRET_KEY.search(key) else str(value)[:6000]) for key, value in flatten(config).items()]
+        for start in range(0, len(params), 100):
+            self.client.log_batch(self.run_id, params=params[start : start + 100])
+        self.client.log_text(self.run_id, OmegaConf.to_yaml(config), "config/ppo_trainer.yaml")
+
+    def log_step(self, step: int, metrics: dict[str, float]) -> bool:
+        """Log a step's metrics in one call; False (and nothing logged) when MLflow has the step already."""
+        if step <= self.last_logged_step:
+            return False
+        now = int(time.time() * 1000)
+        entries = [Metric(metric_key(key), float(value), now, step) for key, value in metrics.items() if value is not None]
+        entries.append(Metric(STEP_MARKER, float(step), now, step))
+        self.client.log_batch(self.run_id, metrics=entries)
+        self.last_logged_step = step
+        return True
+
+    def log_samples(self, step: int, samples: dict[str, list]) -> None:
+        self.client.log_table(self.run_id, data=samples, artifact_file=f"samples/step_{step:06d}.json")
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def log_final_model(self, actor_folder: Path, register_as: str | None) -> str:
+        """Upload the actor's HF folder as the ``model`` artifact; register a version when ``register_as`` is set."""
+        self.client.log_artifacts(self.run_id, str(actor_folder), artifact_path="model")
+        source = f"{self.client.get_run(self.run_id).info.artifact_uri}/model"
+        if register_as:
+            try:
+                self.client.create_registered_model(register_as)
+            except Exception:  # already registered: add a version
+                pass
+            self.client.create_model_version(register_as, source=source, run_id=self.run_id)
+        return source
+
+    def finish(self, status: str = "FINISHED") -> None:
+        self.set_tags({"ppoflow.status": status.lower()})
+        self.client.set_terminated(self.run_id, status=status)

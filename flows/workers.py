@@ -1,0 +1,55 @@
+"""The run's worker group: which roles it fuses, where it runs, and how a flow (re)gets it.
+
+All roles share one resource pool (``trainer.nnodes`` x ``trainer.n_gpus_per_node`` workers) and one Ray
+actor per bundle (verl's colocated hybrid engine). Initialisation order follows the seed: critic, then
+reference, then actor (the last two load together in the fused ``actor_rollout_ref`` role), then the reward
+model.
+"""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from infra.resource_pool import ResourcePool
+from infra.worker_group import WorkerGroup
+from rl_core.ppo_step import use_critic, use_reference
+from rl_core.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
+
+PREFIX = "workers"
+
+
+def role_specs(config: DictConfig) -> dict:
+    policy_role = "actor_rollout_ref" if use_reference(config) else "actor_rollout"
+    specs = {"actor_rollout_ref": (ActorRolloutRefWorker, (config.actor_rollout_ref, policy_role), {})}
+    if use_critic(config):
+        specs["critic"] = (CriticWorker, (config.critic,), {})
+    if config.reward_model.enable:
+        specs["reward_model"] = (RewardModelWorker, (config.reward_model,), {})
+    return specs
+
+
+def resource_pool(config: DictConfig) -> ResourcePool:
+    trainer = config.trainer
+    return ResourcePool("global_pool", [trainer.n_gpus_per_node] * trainer.nnodes,
+                        accelerator="GPU" if trainer.device == "cuda" else None, cpus_per_worker=trainer.cpus_per_worker)
+
+
+def build_workers(config: DictConfig, namespace: str) -> WorkerGroup:
+    """A fresh worker group with every model loaded (critic -> ref + actor -> reward model)."""
+    group = WorkerGroup.create(resource_pool(config), role_specs(config), prefix=PREFIX, namespace=namespace, timeout_s=config.trainer.worker_timeout_s)
+    timeout = config.trainer.worker_timeout_s
+    for role in ("critic", "actor_rollout_ref", "reward_model"):
+        if role in group.roles:
+            group.role(role).init_model(timeout_s=timeout, stage=f"init {role}")
+    return group
+
+
+def reattach_workers(config: DictConfig, namespace: str) -> WorkerGroup | None:
+    """The run's live worker group (a retried flow run), or None when there is none or it is unhealthy."""
+    try:
+        return WorkerGroup.reattach(PREFIX, namespace, role_specs(config))
+    except ValueError:  # no such group
+        return None
+    except Exception:  # some rank is dead or hangs: clear the remains, the caller builds a new group
+        WorkerGroup.kill_named(PREFIX, namespace)
+        return None
