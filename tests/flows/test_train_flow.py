@@ -1,0 +1,136 @@
+"""The training flow end to end: real Prefect API, real Ray workers, MLflow on SQLite, the tiny demo model."""
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import ray
+from mlflow.tracking import MlflowClient
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from flows.config import ConfigError
+from flows.train import train
+from rl_core.step_checkpoint import StepCheckpoints
+from tests.flows.conftest import metric_history
+
+VERL_NAMES = ("actor/pg_loss", "actor/entropy", "actor/ppo_kl", "actor/pg_clipfrac", "actor/grad_norm", "critic/score/mean",
+              "critic/rewards/mean", "critic/advantages/mean", "response_length/mean", "timing_s/gen", "perf/throughput", "perf/time_per_step")
+
+
+def test_grpo_three_steps(run_overrides, tmp_path):
+    result = train(run_overrides("trainer.register_model_name=ppoflow-tiny"))
+    assert result["step"] == 3 and Path(result["checkpoint_dir"]).name == "global_step_3"
+    json.dumps(result)  # the CLI's last line
+    history = metric_history(result["tracking_uri"], result["run_id"])
+    for name in VERL_NAMES:
+        assert sorted(history[name]) == [1, 2, 3], name
+    assert all(len(values) == 1 for steps in history.values() for values in steps.values())  # each step once
+    assert "val-core/ppoflow/addition/acc/mean_at_1" in history and sorted(history["val-core/ppoflow/addition/acc/mean_at_1"]) == [0, 3]
+    assert "critic/vf_loss" not in history  # grpo: no critic
+    client = MlflowClient(result["tracking_uri"])
+    run = client.get_run(result["run_id"])
+    assert run.data.params["algorithm.adv_estimator"] == "grpo" and run.info.status == "FINISHED"
+    assert run.data.tags["checkpoint/latest"].endswith("global_step_3")
+    artifacts = {a.path for a in client.list_artifacts(result["run_id"])}
+    assert {"config", "model", "samples"} <= artifacts
+    assert client.get_latest_versions("ppoflow-tiny")[0].run_id == result["run_id"]
+    # the final checkpoint is a plain HF checkpoint
+    model = AutoModelForCausalLM.from_pretrained(Path(result["checkpoint_dir"]) / "actor")
+    assert model.config.model_type == "qwen2"
+    assert len(list((tmp_path / "checkpoints").glob("global_step_*"))) == 2  # max_ckpt_to_keep
+
+
+def test_ppo_with_a_critic_three_steps(run_overrides):
+    result = train(run_overrides("algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=false",
+                                 "algorithm.use_kl_in_reward=true"))
+    history = metric_history(result["tracking_uri"], result["run_id"])
+    for name in ("critic/vf_loss", "critic/vf_clipfrac", "critic/values/mean", "critic/returns/mean", "actor/reward_kl_penalty"):
+        assert sorted(history[name]) == [1, 2, 3], name
+    assert (Path(result["checkpoint_dir"]) / "critic" / "state.safetensors").exists()
+
+
+def test_resume_gives_the_same_run_as_training_straight(run_overrides, tmp_path):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    settings = ("trainer.test_freq=2", "trainer.val_before_train=false")
+    full = train(run_overrides("trainer.total_training_steps=4", *settings, folder=straight))
+    first = train(run_overrides("trainer.total_training_steps=2", *settings, folder=split))
+    second = train(run_overrides("trainer.total_training_steps=4", "trainer.resume_mode=auto", *settings, folder=split))
+    assert second["run_id"] == first["run_id"]  # the same MLflow run continues
+    a, b = metric_history(full["tracking_uri"], full["run_id"]), metric_history(second["tracking_uri"], second["run_id"])
+    compared = [k for k in a if not k.startswith(("timing_s/", "perf/"))]
+    assert "actor/pg_loss" in compared and "val-core/ppoflow/addition/acc/mean_at_1" in compared
+    for key in compared:
+        assert b[key] == a[key], key  # steps 1-4, once each, identical values
+    assert sorted(b["actor/pg_loss"]) == [1, 2, 3, 4]
+
+
+def test_a_worker_killed_during_step_two_is_replaced(run_overrides, tmp_path):
+    overrides = run_overrides("trainer.total_training_steps=4", "trainer.val_before_train=false")
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    killed = []
+
+    def kill_after_step_one():
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not killed:
+            for experiment in client.search_experiments():
+                for run in client.search_runs([experiment.experiment_id]):
+                    if run.data.metrics.get("training/global_step", 0) >= 1:
+                        for actor in ray.util.list_named_actors(all_namespaces=True):
+                            if actor["name"] == "workers-rank0" and actor["namespace"].startswith("ppoflow-"):
+                                ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+                                killed.append(actor["namespace"])
+                                return
+            time.sleep(0.2)
+
+    killer = threading.Thread(target=kill_after_step_one, daemon=True)
+    killer.start()
+    result = train(overrides)
+    killer.join(timeout=5)
+    assert killed, "the worker was never killed"
+    history = metric_history(result["tracking_uri"], result["run_id"])
+    assert {step: len(values) for step, values in history["actor/pg_loss"].items()} == {1: 1, 2: 1, 3: 1, 4: 1}
+    assert MlflowClient(result["tracking_uri"]).get_run(result["run_id"]).data.tags["ppoflow.worker_restarts"] == "1"
+
+
+def test_a_crash_while_writing_a_checkpoint_keeps_the_previous_one(run_overrides, tmp_path, monkeypatch):
+    real_commit = StepCheckpoints.commit
+
+    def crash_at_step_two(self, step, trainer_state):
+        if step == 2:
+            raise OSError("disk full (simulated)")
+        return real_commit(self, step, trainer_state)
+
+    monkeypatch.setattr(StepCheckpoints, "commit", crash_at_step_two)
+    with pytest.raises(OSError, match="disk full"):
+        train(run_overrides("trainer.val_before_train=false"))
+    checkpoints = StepCheckpoints(tmp_path / "checkpoints")
+    assert checkpoints.latest_step() == 1
+    weights = load_file(str(checkpoints.step_dir(1) / "actor" / "model.safetensors"))
+    assert weights and checkpoints.trainer_state(checkpoints.step_dir(1))["global_step"] == 1
+    monkeypatch.setattr(StepCheckpoints, "commit", real_commit)
+    result = train(run_overrides("trainer.val_before_train=false"))  # resume_mode=auto picks up step 1
+    history = metric_history(result["tracking_uri"], result["run_id"])
+    assert {step: len(v) for step, v in history["actor/pg_loss"].items()} == {1: 1, 2: 1, 3: 1}
+
+
+def test_a_dangling_pointer_is_an_error_not_a_fresh_start(run_overrides, tmp_path):
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("7")
+    with pytest.raises(Exception, match="global_step_7 does not exist"):
+        train(run_overrides())
+
+
+@pytest.mark.parametrize("override,message", [
+    ("trainer.total_trainin_steps=3", "unknown config key 'trainer.total_trainin_steps'"),
+    ("data.train_batch_size=many", "data.train_batch_size: expected int"),
+])
+def test_bad_config_fails_before_any_worker_starts(run_overrides, override, message):
+    before = {(a["namespace"], a["name"]) for a in ray.util.list_named_actors(all_namespaces=True)}
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=message):
+        train(run_overrides(override))
+    assert time.monotonic() - started < 30
+    assert {(a["namespace"], a["name"]) for a in ray.util.list_named_actors(all_namespaces=True)} == before
