@@ -8,6 +8,7 @@ model.
 
 from __future__ import annotations
 
+import ray
 from omegaconf import DictConfig
 
 from infra.resource_pool import ResourcePool
@@ -29,9 +30,15 @@ def role_specs(config: DictConfig) -> dict:
 
 
 def resource_pool(config: DictConfig) -> ResourcePool:
+    """``nnodes`` x ``n_gpus_per_node`` bundles; without ``cpus_per_worker``, the smallest node's CPUs shared out
+    evenly (torch then uses that many threads in each worker)."""
     trainer = config.trainer
+    cpus = trainer.cpus_per_worker
+    if cpus is None:
+        node_cpus = min(node["Resources"].get("CPU", 1) for node in ray.nodes() if node.get("Alive"))
+        cpus = max(1, int(node_cpus // trainer.n_gpus_per_node))
     return ResourcePool("global_pool", [trainer.n_gpus_per_node] * trainer.nnodes,
-                        accelerator="GPU" if trainer.device == "cuda" else None, cpus_per_worker=trainer.cpus_per_worker)
+                        accelerator="GPU" if trainer.device == "cuda" else None, cpus_per_worker=cpus)
 
 
 def build_workers(config: DictConfig, namespace: str) -> WorkerGroup:

@@ -62,7 +62,7 @@ class WorkerGroup:
             name = f"{prefix}-rank{rank}"
             env = {**(env_vars or {}), "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local_rank)}
             options: dict[str, Any] = {
-                "name": name, "namespace": namespace, "lifetime": "detached", "max_restarts": 0, "max_concurrency": 2,
+                "name": name, "namespace": namespace, "lifetime": "detached", "max_restarts": 0,
                 "num_cpus": pool.cpus_per_worker * share, "runtime_env": {"env_vars": env},
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=bundle_index),
             }

@@ -1,0 +1,92 @@
+"""Overhead of the controller: the demo workload through the Prefect flow on Ray workers vs the same stages
+as direct calls on an in-process worker (no Prefect, no Ray), same sizes, same process.
+
+    python bench/step_overhead.py [--steps 12] [--batch 64]
+
+Prints a table of per-step medians (the first step, a warm-up, is left out) and, last, one JSON line with
+``flow_median_s``, ``direct_median_s`` and ``ratio`` (flow / direct). Target: ratio <= 1.10 on a workload whose
+direct step takes about a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+
+EXTRA: list[str] = []
+
+
+def overrides(folder: str, steps: int, batch: int) -> list[str]:
+    return [f"trainer.total_training_steps={steps}", f"data.train_batch_size={batch}", "trainer.test_freq=-1", "trainer.save_freq=-1",
+            "trainer.val_before_train=false", "trainer.log_samples_freq=-1", f"trainer.default_local_dir={folder}/checkpoints",
+            f"trainer.tracking_uri=sqlite:///{folder}/mlflow.db", f"trainer.artifact_location={folder}/mlartifacts", *EXTRA]
+
+
+def direct_steps(settings: list[str]) -> list[float]:
+    """The stages as plain calls on an in-process worker (rl_core.ppo_step), timed per step."""
+    from flows.config import compose_config
+    from flows.demo import apply_embedded_defaults
+    from rl_core.algos.kl import get_kl_controller
+    from rl_core.data.dataset import RLDataset
+    from rl_core.data.sampler import ResumableSampler
+    from rl_core.ppo_step import run_ppo_step, use_reference
+    from rl_core.reward.manager import build_reward_manager
+    from rl_core.workers import ActorRolloutRefWorker
+
+    config = compose_config(settings)
+    apply_embedded_defaults(config)
+    config.actor_rollout_ref.actor.optim.total_training_steps = config.trainer.total_training_steps
+    actor = ActorRolloutRefWorker(config.actor_rollout_ref, "actor_rollout_ref" if use_reference(config) else "actor_rollout")
+    actor.init_model()
+    data = RLDataset(config.data.train_files, actor.tokenizer, config.data)
+    sampler = ResumableSampler(len(data), config.data.train_batch_size, config.data.shuffle, config.data.seed)
+    reward, kl = build_reward_manager(config, actor.tokenizer), get_kl_controller(config.algorithm.kl_ctrl)
+    times = []
+    for step in range(1, config.trainer.total_training_steps + 1):
+        started = time.perf_counter()
+        prompts = data.collate(sampler.next_batch(), uid_prefix=f"{step}-0-")
+        run_ppo_step(prompts, actor, None, reward, config, kl, global_step=step * 1000)
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def flow_steps(settings: list[str]) -> list[float]:
+    """The same workload through the Prefect flow on Ray workers; per-step times as the flow logged them."""
+    from mlflow.tracking import MlflowClient
+
+    from flows.train import train
+
+    result = train(settings)
+    history = MlflowClient(result["tracking_uri"]).get_metric_history(result["run_id"], "perf/time_per_step")
+    return [m.value for m in sorted(history, key=lambda m: m.step)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--batch", type=int, default=64, help="prompts per step (x rollout.n = 8 responses each)")
+    parser.add_argument("overrides", nargs="*", help="more Hydra overrides for both paths")
+    args = parser.parse_args()
+    EXTRA.extend(args.overrides)
+    with tempfile.TemporaryDirectory() as folder:
+        settings = overrides(folder, args.steps, args.batch)
+        direct = direct_steps(settings)
+        flow = flow_steps(settings)
+    direct_median, flow_median = statistics.median(direct[1:]), statistics.median(flow[1:])
+    print(f"{'path':<28}{'median step (s)':>16}{'min (s)':>10}{'max (s)':>10}")
+    print(f"{'direct (no Prefect, no Ray)':<28}{direct_median:>16.3f}{min(direct[1:]):>10.3f}{max(direct[1:]):>10.3f}")
+    print(f"{'flow (Prefect tasks, Ray)':<28}{flow_median:>16.3f}{min(flow[1:]):>10.3f}{max(flow[1:]):>10.3f}")
+    print(json.dumps({"steps": args.steps, "batch": args.batch, "direct_median_s": round(direct_median, 4),
+                      "flow_median_s": round(flow_median, 4), "ratio": round(flow_median / direct_median, 3)}))
+
+
+if __name__ == "__main__":
+    main()
