@@ -27,7 +27,8 @@ def run_overrides(tmp_path, demo_cache, ray_address, prefect_api):
             f"trainer.default_local_dir={folder}/checkpoints", f"trainer.cache_dir={demo_cache}",
             "data.synthetic.train_size=64", "data.synthetic.val_size=16", "data.train_batch_size=4",
             "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.total_training_steps=3",
-            "trainer.save_freq=1", "trainer.test_freq=3", "trainer.log_samples_freq=1", "trainer.worker_timeout_s=120", *extra,
+            "trainer.save_freq=1", "trainer.test_freq=3", "trainer.log_samples_freq=1", "trainer.worker_timeout_s=120",
+            "trainer.cpus_per_worker=1", *extra,
         ]
     return make
 

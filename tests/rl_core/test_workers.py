@@ -115,7 +115,7 @@ def test_micro_batch_size_does_not_change_the_update(tmp_path, config):
         results.append((metrics["actor/pg_loss"], torch.cat([p.flatten() for p in fresh.module.parameters()])))
     for loss, weights in results[1:]:
         assert loss == pytest.approx(results[0][0], abs=1e-5)
-        assert torch.allclose(weights, results[0][1], atol=1e-6)
+        assert torch.allclose(weights, results[0][1], atol=2e-5)  # only the summation order differs
 
 
 def test_lora_reference_is_the_base_model(tmp_path, config):
