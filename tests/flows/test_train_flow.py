@@ -134,3 +134,13 @@ def test_bad_config_fails_before_any_worker_starts(run_overrides, override, mess
         train(run_overrides(override))
     assert time.monotonic() - started < 30
     assert {(a["namespace"], a["name"]) for a in ray.util.list_named_actors(all_namespaces=True)} == before
+
+
+def test_dynamic_sampling_keeps_only_groups_with_differing_scores(run_overrides):
+    result = train(run_overrides("algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=8",
+                                 "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=-1"))
+    history = metric_history(result["tracking_uri"], result["run_id"])
+    assert sorted(history["train/num_gen_batches"]) == [1, 2]
+    assert all(values[0] >= 1 for values in history["train/num_gen_batches"].values())
+    # every kept group has both outcomes, so no advantage is zero for a whole group: the mean |score| spread is > 0
+    assert all(0 < values[0] < 1 for values in history["critic/score/mean"].values())
