@@ -21,6 +21,9 @@ import ray
 
 # the embedded cluster: on 127.0.0.1, with Ray's token authentication on (its token in ~/.ray/auth_token)
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token"}
+# clusters this module starts run workers at normal priority: Ray's default niceness (15) lets the controller's
+# own threads preempt the training threads, which stalls every multi-threaded torch op (measured: step 1.38x -> 1.22x)
+LOCAL_CLUSTER_ENV = {"RAY_worker_niceness": "0"}
 
 
 def _stay_on_loopback() -> None:
@@ -68,6 +71,8 @@ def connect(address: str | None = None, namespace: str | None = None, num_cpus: 
         ray.init(address=address, namespace=namespace, log_to_driver=False)
     else:
         _stay_on_loopback()
+        for key, value in LOCAL_CLUSTER_ENV.items():
+            os.environ.setdefault(key, value)
         ray.init(num_cpus=num_cpus, namespace=namespace, include_dashboard=False, log_to_driver=False)
     return ray.get_runtime_context().gcs_address
 
@@ -80,7 +85,7 @@ def start_local_head(port: int, num_cpus: int | None = None, resources: str | No
         command.append(f"--num-cpus={num_cpus}")
     if resources:
         command.append(f"--resources={resources}")
-    subprocess.run(command, check=True, capture_output=True, env={**os.environ, **LOOPBACK_ENV})
+    subprocess.run(command, check=True, capture_output=True, env={**os.environ, **LOOPBACK_ENV, **LOCAL_CLUSTER_ENV})
     return f"127.0.0.1:{port}"
 
 
