@@ -19,6 +19,12 @@ from rl_core.ppo_step import add_reward, compute_advantage, merge_stage
 from rl_core.reward.manager import RewardManager
 
 STAGE = {"cache_policy": NO_CACHE, "persist_result": False}
+# what each worker stage reads: only these tensors travel to the workers (no per-sample Python objects)
+SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+
+
+def needed(batch: Batch, *extra: str) -> Batch:
+    return batch.select([*SEQUENCE_KEYS, *(k for k in extra if k in batch.tensors)])
 
 
 def _not_a_dead_worker(task: Any, task_run: Any, state: Any) -> bool:
@@ -51,17 +57,17 @@ def reward(workers: WorkerGroup, batch: Batch, reward_manager: RewardManager, ti
 
 @task(name="old_log_prob", **IDEMPOTENT)
 def old_log_prob(workers: WorkerGroup, batch: Batch, metrics: dict, timeout_s: float) -> None:
-    merge_stage(batch, workers.role("actor_rollout_ref").compute_log_prob(batch, timeout_s=timeout_s, stage="old_log_prob"), metrics)
+    merge_stage(batch, workers.role("actor_rollout_ref").compute_log_prob(needed(batch), timeout_s=timeout_s, stage="old_log_prob"), metrics)
 
 
 @task(name="ref_log_prob", **IDEMPOTENT)
 def ref_log_prob(workers: WorkerGroup, batch: Batch, metrics: dict, timeout_s: float) -> None:
-    merge_stage(batch, workers.role("actor_rollout_ref").compute_ref_log_prob(batch, timeout_s=timeout_s, stage="ref_log_prob"), metrics)
+    merge_stage(batch, workers.role("actor_rollout_ref").compute_ref_log_prob(needed(batch), timeout_s=timeout_s, stage="ref_log_prob"), metrics)
 
 
 @task(name="values", **IDEMPOTENT)
 def values(workers: WorkerGroup, batch: Batch, metrics: dict, timeout_s: float) -> None:
-    merge_stage(batch, workers.role("critic").compute_values(batch, timeout_s=timeout_s, stage="values"), metrics)
+    merge_stage(batch, workers.role("critic").compute_values(needed(batch), timeout_s=timeout_s, stage="values"), metrics)
 
 
 @task(name="advantage", **STAGE)
@@ -71,9 +77,9 @@ def advantage(batch: Batch, config: Any, kl_controller: Any) -> dict[str, float]
 
 @task(name="update_critic", **STAGE)
 def update_critic(workers: WorkerGroup, batch: Batch, metrics: dict, timeout_s: float) -> None:
-    merge_stage(batch, workers.role("critic").update_critic(batch, timeout_s=timeout_s, stage="update_critic"), metrics)
+    merge_stage(batch, workers.role("critic").update_critic(needed(batch, "values", "returns"), timeout_s=timeout_s, stage="update_critic"), metrics)
 
 
 @task(name="update_actor", **STAGE)
 def update_actor(workers: WorkerGroup, batch: Batch, metrics: dict, timeout_s: float) -> None:
-    merge_stage(batch, workers.role("actor_rollout_ref").update_actor(batch, timeout_s=timeout_s, stage="update_actor"), metrics)
+    merge_stage(batch, workers.role("actor_rollout_ref").update_actor(needed(batch, "old_log_probs", "advantages", "ref_log_prob"), timeout_s=timeout_s, stage="update_actor"), metrics)

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from infra.dispatch import collect_results, split_arguments
@@ -131,8 +131,6 @@ class WorkerGroup:
                 raise WorkerDiedError(f"stage {stage!r}: worker {name} died ({type(error).__name__}); the group must be rebuilt from the last checkpoint", name) from error
             except RayTaskError as error:
                 raise error.as_instanceof_cause() from None
-            except GetTimeoutError:  # pragma: no cover - ray.wait said it was ready
-                raise
         return results
 
     # ------------------------------------------------------------------ cleanup
