@@ -40,15 +40,16 @@ def _train(args: argparse.Namespace) -> int:
 
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")  # the flow prints one line per step itself
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    from flows.config import ConfigError
+    from flows.config import ConfigError, compose_config
 
     try:
-        from flows.train import summary_line, train
-
-        result = train(overrides=args.overrides)
+        compose_config(args.overrides)  # a wrong key or type: a one-line error in a second, before Prefect starts
     except ConfigError as error:
         print(f"ppoflow train: {error}", file=sys.stderr)
         return 2
+    from flows.train import summary_line, train
+
+    result = train(overrides=args.overrides)
     print(summary_line(result))
     return 0
 
