@@ -85,7 +85,13 @@ def start_local_head(port: int, num_cpus: int | None = None, resources: str | No
         command.append(f"--num-cpus={num_cpus}")
     if resources:
         command.append(f"--resources={resources}")
-    subprocess.run(command, check=True, capture_output=True, env={**os.environ, **LOOPBACK_ENV, **LOCAL_CLUSTER_ENV})
+    env = {**os.environ, **LOOPBACK_ENV, **LOCAL_CLUSTER_ENV}
+    # token auth needs a token before the head starts; this creates ~/.ray/auth_token when there is none
+    # (its output, the token, is not printed)
+    subprocess.run([ray_cli, "get-auth-token", "--generate"], check=True, capture_output=True, env=env)
+    started = subprocess.run(command, capture_output=True, text=True, env=env)
+    if started.returncode != 0:
+        raise RuntimeError(f"`ray start --head` on 127.0.0.1:{port} failed: {started.stderr.strip().splitlines()[-1] if started.stderr.strip() else started.returncode}")
     return f"127.0.0.1:{port}"
 
 
