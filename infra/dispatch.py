@@ -42,6 +42,8 @@ def collect_results(mode: str, results: list[Any], pad_size: int) -> Any:
     """
     if mode != DP_COMPUTE or not isinstance(results[0], Batch):
         return results[0]
+    if len(results) == 1:  # one rank: nothing to merge, no copy on the per-step path
+        return results[0].unpad(pad_size)
     metrics = [r.meta_info.get("metrics", {}) for r in results]
     if any(len(r) for r in results):
         merged = Batch.concat(results).unpad(pad_size)

@@ -31,7 +31,6 @@ from rl_core.models.logprob import response_log_probs
 from rl_core.models.lora import adapter_disabled, apply_lora, uses_lora
 from rl_core.models.optim import build_lr_scheduler, build_optimizer
 from rl_core.rollout import build_rollout_engine
-from rl_core.workers.data_parallel import world_size
 from rl_core.workers.dispatch import DP_COMPUTE, ONE_TO_ALL, dispatch
 from rl_core.workers.fsdp import full_parameters, optimizer_state_on_device, shard_module
 from rl_core.workers.train_loop import local_mini_batch_size, run_updates

@@ -3,7 +3,6 @@
 import json
 
 import pytest
-import torch
 from omegaconf import OmegaConf
 
 from rl_core.data import gsm8k
