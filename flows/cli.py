@@ -54,12 +54,27 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_config(args: argparse.Namespace) -> int:
+    from omegaconf import OmegaConf
+
+    from flows.config import ConfigError, compose_config
+    try:
+        print(OmegaConf.to_yaml(compose_config(args.overrides)), end="")
+    except ConfigError as error:
+        print(f"ppoflow config: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ppoflow", description="RL post-training of LLMs: Prefect flows driving Ray workers, tracked in MLflow.")
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="run PPO/GRPO training (Hydra overrides, e.g. algorithm.adv_estimator=gae); no overrides = the embedded demo")
-    train.add_argument("overrides", nargs="*", help="Hydra overrides key=value (see configs/ppo_trainer.yaml)")
+    train.add_argument("overrides", nargs="*", help="Hydra overrides key=value (`ppoflow config` lists every key)")
     train.set_defaults(run=_train)
+    config = commands.add_parser("config", help="print the composed config (every key with its value) for the given overrides")
+    config.add_argument("overrides", nargs="*", help="Hydra overrides key=value")
+    config.set_defaults(run=_print_config)
     algos = commands.add_parser("algos", help="list the registered advantage estimators, policy losses, aggregations and KL penalties")
     algos.set_defaults(run=_list_algorithms)
     tiny = commands.add_parser("make-tiny-model", help="write a tiny Qwen2 model + tokenizer (no download) to OUT")

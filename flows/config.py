@@ -1,8 +1,9 @@
-"""Composing the run's config with Hydra, and rejecting wrong keys and types before any worker starts.
+"""Composing the run's config with Hydra, and refusing wrong keys, types and values before anything starts.
 
-``compose_config(["algorithm.adv_estimator=grpo", ...])`` reads ``configs/ppo_trainer.yaml`` and applies the
-overrides (Hydra syntax; ``+key=value`` adds a key the tree does not have). Then every value is checked against
-the type of its default: ``trainer.total_training_steps=abc`` is an error naming the key, not a crash at step 1.
+``compose_config(["algorithm.adv_estimator=grpo", ...])`` composes ``configs/ppo_trainer.yaml``, whose schema is
+:class:`rl_core.config.PPOTrainerConfig` (every key, its type and its default), with the overrides (Hydra
+syntax). OmegaConf refuses unknown keys and values of the wrong type; :func:`rl_core.config.check_config` refuses
+values no run can use. Each is a :class:`ConfigError` naming the key.
 """
 
 from __future__ import annotations
@@ -12,80 +13,72 @@ from pathlib import Path
 from typing import Any
 
 from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
 from hydra.errors import ConfigCompositionException, OverrideParseException
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from rl_core.config import ConfigValueError, PPOTrainerConfig, check_config
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 CONFIG_NAME = "ppo_trainer"
+ConfigStore.instance().store(name="ppoflow_schema", node=PPOTrainerConfig)
 
 
 class ConfigError(ValueError):
-    """An override names a key the config does not have, or gives a value of the wrong type."""
+    """An override names a key the config does not have, or gives a value of the wrong type or an unusable one."""
 
 
-def _type_name(value: Any) -> str:
-    return {bool: "bool", int: "int", float: "float", str: "str"}.get(type(value), type(value).__name__)
-
-
-def _check_types(value: Any, default: Any, key: str) -> None:
-    if default is None or value is None:  # null defaults take any type; any key may be set to null
-        return
-    if isinstance(default, DictConfig):
-        if not isinstance(value, DictConfig):
-            raise ConfigError(f"{key}: expected a mapping (a config group), got {value!r}")
-        for sub_key in value:
-            if sub_key in default:
-                _check_types(value[sub_key], default[sub_key], f"{key}.{sub_key}" if key else str(sub_key))
-        return
-    if isinstance(default, ListConfig):
-        if not isinstance(value, ListConfig):
-            raise ConfigError(f"{key}: expected a list, got {value!r} ({_type_name(value)}); write it as {key}=[a,b]")
-        return
-    if isinstance(default, bool):
-        ok = isinstance(value, bool)
-    elif isinstance(default, int):
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif isinstance(default, float):
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    else:
-        ok = isinstance(value, type(default))
-    if not ok:
-        raise ConfigError(f"{key}: expected {_type_name(default)} (default {default!r}), got {value!r} ({_type_name(value)})")
+def _explain(error: BaseException) -> str:
+    """One line naming the key and the fix, from an OmegaConf/Hydra error."""
+    text = str(error)
+    full_key = re.search(r"full_key: (\S+)", text)
+    key = full_key.group(1) if full_key else ""
+    first = text.splitlines()[0] if text else type(error).__name__
+    if "not in" in first or "Could not append" in first or "Could not override" in first or "Key '" in first and "not" in first:
+        name = key or (re.search(r"'([^']+)'", first).group(1) if re.search(r"'([^']+)'", first) else first)
+        return (f"unknown config key {name!r}: check the spelling (`ppoflow config` prints every key); "
+                f"your reward function's own settings go in custom_reward_function.reward_kwargs")
+    conversion = re.match(r"Value '(.*)' of type '(\w+)' could not be converted to (\w+)", first)
+    if conversion:
+        expected = {"Integer": "int", "Float": "float", "Boolean": "bool", "String": "str"}.get(conversion.group(3), conversion.group(3))
+        return f"{key}: expected {expected}, got {conversion.group(1)!r} ({conversion.group(2)})"
+    not_bool = re.match(r"Value '(.*)' is not a valid bool \(type (\w+)\)", first)
+    if not_bool:
+        return f"{key}: expected bool (true/false), got {not_bool.group(1)!r} ({not_bool.group(2)})"
+    if "Non optional field cannot be assigned None" in first or "field cannot be assigned None" in first:
+        return f"{key}: cannot be null"
+    return f"{key + ': ' if key else ''}{first}"
 
 
 def compose_config(overrides: list[str] | None = None) -> DictConfig:
-    """The root config with ``overrides`` applied and checked; interpolations resolved."""
+    """The root config with ``overrides`` applied, interpolations resolved and every value checked."""
     overrides = list(overrides or [])
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
             config = compose(config_name=CONFIG_NAME, overrides=overrides)
+        OmegaConf.merge(PPOTrainerConfig, OmegaConf.to_container(config))  # `+key=value` slips past the schema: refuse it here
+        OmegaConf.resolve(config)
     except OverrideParseException as error:
         raise ConfigError(f"{str(error).splitlines()[0]}: overrides are key=value (Hydra syntax)") from None
     except ConfigCompositionException as error:
-        cause = str(error.__cause__ or "")
-        if "not in struct" in cause:
-            full_key = re.search(r"full_key: (\S+)", cause)
-            key = full_key.group(1) if full_key else cause.splitlines()[0]
-            raise ConfigError(f"unknown config key {key!r}: check the spelling (see configs/{CONFIG_NAME}.yaml), "
-                              f"or write +{key}=... to add a key of your own") from None
-        raise ConfigError(f"bad override: {str(error).splitlines()[0]} {cause.splitlines()[0] if cause else ''}".strip()) from None
-    defaults = OmegaConf.load(CONFIG_DIR / f"{CONFIG_NAME}.yaml")
+        raise ConfigError(_explain(error.__cause__ or error)) from None
+    except OmegaConfBaseException as error:
+        raise ConfigError(_explain(error)) from None
     try:
-        OmegaConf.resolve(config)
-        OmegaConf.resolve(defaults)
-    except Exception as error:
-        raise ConfigError(f"config interpolation failed: {error}") from None
-    _check_types(config, defaults, "")
+        check_config(config)
+    except ConfigValueError as error:
+        raise ConfigError(str(error)) from None
     return config
 
 
 def flatten(config: DictConfig, prefix: str = "") -> dict[str, Any]:
-    """``{"a.b.c": value}`` for every leaf (lists as their string form): MLflow params."""
+    """``{"a.b.c": value}`` for every leaf (lists and dicts as their plain form): MLflow params."""
     flat: dict[str, Any] = {}
     for key, value in config.items():
         name = f"{prefix}{key}"
-        if isinstance(value, DictConfig):
+        if isinstance(value, DictConfig) and len(value) and OmegaConf.get_type(value) is not dict:
             flat.update(flatten(value, f"{name}."))
         else:
-            flat[name] = OmegaConf.to_container(value) if isinstance(value, ListConfig) else value
+            flat[name] = OmegaConf.to_container(value) if isinstance(value, (ListConfig, DictConfig)) else value
     return flat

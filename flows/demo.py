@@ -8,6 +8,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from rl_core.config import ModelConfig
 from rl_core.data.dataset import write_rows
 from rl_core.data.synthetic import addition_rows
 from rl_core.models.loading import load_policy_model
@@ -43,7 +44,7 @@ def ensure_demo_model(config: DictConfig, log=print) -> str:
     staging = target.with_name("tiny-sft.tmp")
     shutil.rmtree(staging, ignore_errors=True)
     make_tiny_model(staging, seed=0, max_operand=config.data.synthetic.max_operand)
-    model, tokenizer = load_policy_model({"path": str(staging)})
+    model, tokenizer = load_policy_model(ModelConfig(path=str(staging)))
     rows = addition_rows(config.data.synthetic.train_size, seed=0, max_operand=config.data.synthetic.max_operand, split="train")
     examples = [SFTExample(row["prompt"], row["reward_model"]["ground_truth"]) for row in rows]
     log(f"[demo] warm-starting the tiny model with {SFT_STEPS} SFT steps (once; cached in {target})")

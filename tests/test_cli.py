@@ -19,6 +19,20 @@ def test_train_rejects_a_bad_key_and_a_bad_type():
     result = ppoflow("train", "algorithm.adv_estimatr=gae")
     assert result.returncode == 2
     assert result.stderr.strip() == ("ppoflow train: unknown config key 'algorithm.adv_estimatr': check the spelling "
-                                     "(see configs/ppo_trainer.yaml), or write +algorithm.adv_estimatr=... to add a key of your own")
+                                     "(`ppoflow config` prints every key); your reward function's own settings go in "
+                                     "custom_reward_function.reward_kwargs")
     result = ppoflow("train", "trainer.total_training_steps=ten")
-    assert result.returncode == 2 and "trainer.total_training_steps: expected int" in result.stderr
+    assert result.returncode == 2 and "trainer.total_training_steps: expected int, got 'ten' (str)" in result.stderr
+    result = ppoflow("train", "+trainer.wandb_key=abc")  # `+` cannot add a key the schema does not have
+    assert result.returncode == 2 and "unknown config key 'trainer.wandb_key'" in result.stderr
+
+
+def test_config_prints_the_composed_config_with_the_overrides():
+    result = ppoflow("config", "data.train_batch_size=64", "actor_rollout_ref.rollout.n=3")
+    assert result.returncode == 0
+    import yaml
+
+    composed = yaml.safe_load(result.stdout)
+    assert composed["data"]["train_batch_size"] == 64
+    assert composed["critic"]["rollout_n"] == 3  # interpolations resolved
+    assert composed["actor_rollout_ref"]["actor"]["optim"]["lr"] == 1.0e-3  # the one default, from rl_core/config.py

@@ -24,7 +24,6 @@ from typing import Any
 import pyarrow.parquet as pq
 import torch
 
-from rl_core.algos.config_access import config_get
 from rl_core.batch import Batch
 
 
@@ -86,13 +85,13 @@ class RLDataset:
 
     def __init__(self, files: str | list[str], tokenizer: Any, data_config: Any, max_samples: int = -1):
         self.tokenizer = tokenizer
-        self.prompt_key = config_get(data_config, "prompt_key", "prompt")
-        self.max_prompt_length = int(config_get(data_config, "max_prompt_length", 512))
-        self.truncation = config_get(data_config, "truncation", "error")
+        self.prompt_key = data_config.prompt_key
+        self.max_prompt_length = int(data_config.max_prompt_length)
+        self.truncation = data_config.truncation
         if self.truncation not in ("error", "left", "right"):
             raise DatasetError(f"data.truncation={self.truncation!r}; choose error, left or right")
-        self.use_chat_template = bool(config_get(data_config, "use_chat_template", True)) and tokenizer.chat_template is not None
-        filter_overlong = bool(config_get(data_config, "filter_overlong_prompts", False))
+        self.use_chat_template = bool(data_config.use_chat_template) and tokenizer.chat_template is not None
+        filter_overlong = bool(data_config.filter_overlong_prompts)
         self.rows: list[dict] = []
         self.prompt_ids: list[list[int]] = []
         self.num_filtered = 0

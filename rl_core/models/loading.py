@@ -1,4 +1,4 @@
-"""Loading a Hugging Face checkpoint the way verl does (seed 000, section 6.3), from a local folder only.
+"""Loading a Hugging Face checkpoint the way verl does, from a local folder only.
 
     tokenizer -> AutoConfig (+ override_config) -> model class detection -> from_pretrained (dtype)
     -> optional padding-free path -> optional gradient checkpointing -> optional LoRA (peft)
@@ -18,7 +18,6 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from rl_core.algos.config_access import config_get
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 # (auto_map key, transformers auto class name) in the order they are tried; classes missing from this
@@ -118,18 +117,25 @@ def torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def load_policy_tokenizer(model_config: Any) -> PreTrainedTokenizerBase:
+    """The policy's tokenizer (``tokenizer_path``, else ``path``) with ``custom_chat_template`` applied: the dataset's
+    prompts and the rollout use the same template."""
+    return load_tokenizer(model_config.tokenizer_path or model_config.path, bool(model_config.trust_remote_code),
+                          model_config.custom_chat_template)
+
+
 def load_policy_model(model_config: Any) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The actor/ref model and tokenizer described by an ``actor_rollout_ref.model`` config node."""
-    path = config_get(model_config, "path")
-    trust_remote_code = bool(config_get(model_config, "trust_remote_code", False))
-    import_external_lib(config_get(model_config, "external_lib"))
-    tokenizer = load_tokenizer(config_get(model_config, "tokenizer_path", path), trust_remote_code, config_get(model_config, "custom_chat_template"))
-    hf_config = load_hf_config(path, config_get(model_config, "override_config", {}), trust_remote_code)
+    path = model_config.path
+    trust_remote_code = bool(model_config.trust_remote_code)
+    import_external_lib(model_config.external_lib)
+    tokenizer = load_policy_tokenizer(model_config)
+    hf_config = load_hf_config(path, model_config.override_config, trust_remote_code)
     model_class = resolve_model_class(hf_config, trust_remote_code)
     model = model_class.from_pretrained(
-        local_model_path(path), config=hf_config, dtype=torch_dtype(config_get(model_config, "dtype", "float32")),
-        trust_remote_code=trust_remote_code, attn_implementation=config_get(model_config, "attn_implementation", "sdpa"),
+        local_model_path(path), config=hf_config, dtype=torch_dtype(model_config.dtype),
+        trust_remote_code=trust_remote_code, attn_implementation="sdpa",
     )
-    if config_get(model_config, "enable_gradient_checkpointing", False):
+    if model_config.enable_gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model, tokenizer

@@ -8,30 +8,35 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
-from rl_core.algos.config_access import config_get
+from rl_core.models.loading import ModelLoadError
+
 
 
 def uses_lora(model_config: Any) -> bool:
-    return int(config_get(model_config, "lora_rank", 0)) > 0 or bool(config_get(model_config, "lora_adapter_path"))
+    return int(model_config.lora_rank) > 0 or bool(model_config.lora_adapter_path)
 
 
 def apply_lora(model: torch.nn.Module, model_config: Any, task_type: str = "CAUSAL_LM") -> torch.nn.Module:
     """Wrap ``model`` with a trainable LoRA adapter as ``model_config`` asks; unchanged when LoRA is off."""
-    adapter_path = config_get(model_config, "lora_adapter_path")
+    adapter_path = model_config.lora_adapter_path
     if adapter_path:
-        return PeftModel.from_pretrained(model, adapter_path, is_trainable=True)
-    rank = int(config_get(model_config, "lora_rank", 0))
+        if not (Path(adapter_path).expanduser() / "adapter_config.json").is_file():
+            raise ModelLoadError(f"model.lora_adapter_path={adapter_path!r}: no adapter_config.json there; point it at a saved "
+                                 f"LoRA adapter folder (a checkpoint's actor/ folder of a LoRA run)")
+        return PeftModel.from_pretrained(model, str(Path(adapter_path).expanduser()), is_trainable=True)
+    rank = int(model_config.lora_rank)
     if rank <= 0:
         return model
-    target_modules = config_get(model_config, "target_modules", "all-linear")
+    target_modules = model_config.target_modules
     if not isinstance(target_modules, str):
         target_modules = list(target_modules)
-    lora_config = LoraConfig(r=rank, lora_alpha=int(config_get(model_config, "lora_alpha", 16)), target_modules=target_modules,
+    lora_config = LoraConfig(r=rank, lora_alpha=int(model_config.lora_alpha), target_modules=target_modules,
                              lora_dropout=0.0, bias="none", task_type=task_type)
     return get_peft_model(model, lora_config)
 

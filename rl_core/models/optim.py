@@ -15,16 +15,15 @@ from typing import Any
 
 import torch
 
-from rl_core.algos.config_access import config_get
 
 
 def build_optimizer(parameters: Iterable[torch.nn.Parameter], optim_config: Any) -> torch.optim.AdamW:
     trainable = [p for p in parameters if p.requires_grad]
     if not trainable:
         raise ValueError("the model has no trainable parameter (is everything frozen?)")
-    betas = tuple(config_get(optim_config, "betas", (0.9, 0.999)))
-    return torch.optim.AdamW(trainable, lr=float(config_get(optim_config, "lr", 1e-6)), betas=betas,
-                             weight_decay=float(config_get(optim_config, "weight_decay", 0.01)))
+    betas = tuple(optim_config.betas)
+    return torch.optim.AdamW(trainable, lr=float(optim_config.lr), betas=betas,
+                             weight_decay=float(optim_config.weight_decay))
 
 
 def lr_multiplier(step: int, schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0, num_cycles: float = 0.5) -> float:
@@ -40,14 +39,14 @@ def lr_multiplier(step: int, schedule: str, warmup_steps: int, total_steps: int,
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, optim_config: Any, total_steps: int | None = None) -> torch.optim.lr_scheduler.LambdaLR:
-    total = int(total_steps if total_steps is not None else config_get(optim_config, "total_training_steps", -1))
-    warmup = int(config_get(optim_config, "lr_warmup_steps", -1))
+    total = int(total_steps if total_steps is not None else optim_config.total_training_steps)
+    warmup = int(optim_config.lr_warmup_steps)
     if warmup < 0:
-        warmup = int(float(config_get(optim_config, "lr_warmup_steps_ratio", 0.0)) * max(total, 0))
-    schedule = config_get(optim_config, "lr_scheduler_type", "constant")
+        warmup = int(float(optim_config.lr_warmup_steps_ratio) * max(total, 0))
+    schedule = optim_config.lr_scheduler_type
     if schedule == "cosine" and total <= 0:
         raise ValueError("optim.lr_scheduler_type=cosine needs optim.total_training_steps > 0")
     lr_multiplier(warmup, schedule, warmup, total)  # validates the schedule name now, not at the first step
-    min_lr_ratio = float(config_get(optim_config, "min_lr_ratio", 0.0))
-    num_cycles = float(config_get(optim_config, "num_cycles", 0.5))
+    min_lr_ratio = float(optim_config.min_lr_ratio)
+    num_cycles = float(optim_config.num_cycles)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, schedule, warmup, total, min_lr_ratio, num_cycles))

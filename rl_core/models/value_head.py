@@ -16,7 +16,6 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModel, AutoModelForTokenClassification, PreTrainedModel, PreTrainedTokenizerBase
 
-from rl_core.algos.config_access import config_get
 from rl_core.models.loading import import_external_lib, load_hf_config, load_tokenizer, local_model_path, torch_dtype
 
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -51,15 +50,15 @@ class ValueHeadModel(torch.nn.Module):
 
 def load_critic_model(model_config: Any) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
     """The critic described by a ``critic.model`` config node (token classification, else body + value head)."""
-    path = config_get(model_config, "path")
-    trust_remote_code = bool(config_get(model_config, "trust_remote_code", False))
-    import_external_lib(config_get(model_config, "external_lib"))
-    tokenizer = load_tokenizer(config_get(model_config, "tokenizer_path", path), trust_remote_code)
-    hf_config = load_hf_config(path, config_get(model_config, "override_config", {}), trust_remote_code)
+    path = model_config.path
+    trust_remote_code = bool(model_config.trust_remote_code)
+    import_external_lib(model_config.external_lib)
+    tokenizer = load_tokenizer((model_config.tokenizer_path or path), trust_remote_code)
+    hf_config = load_hf_config(path, model_config.override_config, trust_remote_code)
     hf_config.num_labels = 1
     if hasattr(hf_config, "classifier_dropout"):
         hf_config.classifier_dropout = 0.0
-    dtype = torch_dtype(config_get(model_config, "dtype", "float32"))
+    dtype = torch_dtype(model_config.dtype)
     folder = local_model_path(path, "critic.model.path")
     if type(hf_config) in AutoModelForTokenClassification._model_mapping and not (folder / VALUE_HEAD_FILE).exists():
         model: torch.nn.Module = AutoModelForTokenClassification.from_pretrained(folder, config=hf_config, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa")
@@ -67,6 +66,6 @@ def load_critic_model(model_config: Any) -> tuple[torch.nn.Module, PreTrainedTok
         model = ValueHeadModel(AutoModel.from_pretrained(folder, config=hf_config, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa"))
         if (folder / VALUE_HEAD_FILE).exists():
             model.value_head.load_state_dict(load_file(str(folder / VALUE_HEAD_FILE)))
-    if config_get(model_config, "enable_gradient_checkpointing", False):
+    if model_config.enable_gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model, tokenizer

@@ -12,23 +12,25 @@ from typing import Any
 
 import torch
 
-from rl_core.algos.config_access import config_get
 from rl_core.batch import Batch
 from rl_core.models.logprob import token_log_probs
 from rl_core.rollout.base import assemble_sequences, register_rollout_engine, response_mask_until_stop
 
 
-def sampling_settings(rollout_config: Any, validate: bool) -> dict[str, Any]:
-    """n, do_sample, temperature, top_p, top_k for training or (``validate``) for ``val_kwargs``."""
-    source = config_get(rollout_config, "val_kwargs") if validate else rollout_config
-    temperature = float(config_get(source, "temperature", 1.0))
-    do_sample = bool(config_get(source, "do_sample", True)) and temperature > 0
+def sampling_settings(rollout_config: Any, meta_info: dict[str, Any]) -> dict[str, Any]:
+    """n, do_sample, temperature, top_p, top_k: ``val_kwargs`` when ``meta_info['validate']``, one greedy response per
+    prompt when ``meta_info['greedy']`` (ReMax's baseline), else the rollout's own settings."""
+    if meta_info.get("greedy", False):
+        return {"n": 1, "do_sample": False, "temperature": 1.0, "top_p": 1.0, "top_k": -1}
+    source = rollout_config.val_kwargs if meta_info.get("validate", False) else rollout_config
+    temperature = float(source.temperature)
+    do_sample = bool(source.do_sample) and temperature > 0
     return {
-        "n": int(config_get(source, "n", 1)),
+        "n": int(source.n),
         "do_sample": do_sample,
         "temperature": temperature if do_sample else 1.0,
-        "top_p": float(config_get(source, "top_p", 1.0)),
-        "top_k": int(config_get(source, "top_k", -1)),
+        "top_p": float(source.top_p),
+        "top_k": int(source.top_k),
     }
 
 
@@ -39,17 +41,17 @@ class HFRolloutEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.config = rollout_config
-        self.response_length = int(config_get(rollout_config, "response_length", 512))
-        self.chunk_size = int(config_get(rollout_config, "generation_batch_size", 256))
+        self.response_length = int(rollout_config.response_length)
+        self.chunk_size = int(rollout_config.generation_batch_size)
         eos = tokenizer.eos_token_id
-        self.stop_token_ids = sorted({*(eos if isinstance(eos, list) else [eos]), *config_get(rollout_config, "stop_token_ids", [])})
+        self.stop_token_ids = sorted({*(eos if isinstance(eos, list) else [eos]), *rollout_config.stop_token_ids})
         self.pad_token_id = tokenizer.pad_token_id
 
     @torch.no_grad()
     def generate_sequences(self, prompts: Batch) -> Batch:
-        settings = sampling_settings(self.config, bool(prompts.meta_info.get("validate", False)))
+        settings = sampling_settings(self.config, prompts.meta_info)
         repeated = prompts.repeat_interleave(settings["n"]) if settings["n"] > 1 else prompts
-        seed = int(config_get(self.config, "seed", 0)) * 1_000_003 + int(prompts.meta_info.get("global_step", 0))
+        seed = int(self.config.seed) * 1_000_003 + int(prompts.meta_info.get("global_step", 0))
         was_training = self.model.training
         self.model.eval()
         try:
@@ -65,7 +67,7 @@ class HFRolloutEngine:
 
     def _generate_chunk(self, chunk: Batch, settings: dict[str, Any], seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_ids = chunk.tensors["input_ids"]
-        want_log_probs = bool(config_get(self.config, "calculate_log_probs", False))
+        want_log_probs = bool(self.config.calculate_log_probs)
         device = next(self.model.parameters()).device
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(seed)

@@ -3,13 +3,13 @@
 import json
 
 import pytest
-from omegaconf import OmegaConf
 
+from rl_core.config import DataConfig, ModelConfig
 from rl_core.data import gsm8k
 from rl_core.data.dataset import DatasetError, RLDataset, read_rows, write_rows
 from rl_core.data.sampler import ResumableSampler
 from rl_core.data.synthetic import addition_rows
-from rl_core.models.loading import load_tokenizer
+from rl_core.models.loading import load_policy_tokenizer, load_tokenizer
 
 
 @pytest.fixture()
@@ -18,7 +18,7 @@ def tokenizer(tiny_model_path):
 
 
 def data_config(**overrides):
-    return OmegaConf.create({"max_prompt_length": 32, "filter_overlong_prompts": False, "truncation": "error", "use_chat_template": True, **overrides})
+    return DataConfig(**{"max_prompt_length": 32, "filter_overlong_prompts": False, "truncation": "error", "use_chat_template": True, **overrides})
 
 
 def test_rows_are_chat_templated_and_left_padded(tmp_path, tokenizer):
@@ -115,3 +115,12 @@ def test_gsm8k_preprocessing_of_a_local_copy(tmp_path):
     (source / "test.jsonl").write_text(json.dumps({"question": "q", "answer": "no marker"}) + "\n")
     with pytest.raises(DatasetError, match="test.jsonl: row 0, column 'answer'"):
         gsm8k.preprocess(source, tmp_path / "out2")
+
+
+def test_custom_chat_template_shapes_the_dataset_prompts(tmp_path, tiny_model_path):
+    template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}{% if add_generation_prompt %}=>{% endif %}"
+    tokenizer = load_policy_tokenizer(ModelConfig(path=str(tiny_model_path), custom_chat_template=template))
+    rows = addition_rows(2, seed=0)
+    dataset = RLDataset(str(write_rows(rows, tmp_path / "train.parquet")), tokenizer, data_config())
+    expected = tokenizer("<<" + rows[1]["prompt"][-1]["content"] + ">>=>", add_special_tokens=False)["input_ids"]
+    assert dataset.prompt_ids[1] == expected

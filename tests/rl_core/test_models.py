@@ -8,9 +8,9 @@ import sys
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, CodeGenConfig, CodeGenForCausalLM, Qwen2ForCausalLM, Qwen2ForTokenClassification
 
+from rl_core.config import ModelConfig, OptimConfig
 from rl_core.models.loading import ModelLoadError, load_hf_config, load_policy_model, resolve_model_class
 from rl_core.models.lora import adapter_disabled, apply_lora
 from rl_core.models.optim import build_lr_scheduler, build_optimizer, lr_multiplier
@@ -24,10 +24,10 @@ def test_make_tiny_model_cli_writes_a_checkpoint_that_loads_like_qwen25(tmp_path
     assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
     assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
     # the same pipeline a user's Qwen2.5 checkpoint takes: tokenizer -> AutoConfig -> class detection -> weights
-    model, tokenizer = load_policy_model(OmegaConf.create({"path": str(out), "dtype": "float32", "override_config": {"attention_dropout": 0.0}}))
+    model, tokenizer = load_policy_model(ModelConfig(path=str(out), dtype="float32", override_config={"attention_dropout": 0.0}))
     assert isinstance(model, Qwen2ForCausalLM) and tokenizer.padding_side == "left"
     assert model.config.attention_dropout == 0.0 and not model.is_gradient_checkpointing
-    checkpointed, _ = load_policy_model({"path": str(out), "enable_gradient_checkpointing": True})
+    checkpointed, _ = load_policy_model(ModelConfig(path=str(out), enable_gradient_checkpointing=True))
     assert checkpointed.is_gradient_checkpointing
     assert tokenizer.chat_template and tokenizer.eos_token == "<|im_end|>"
     reference = AutoModelForCausalLM.from_pretrained(out)
@@ -37,9 +37,9 @@ def test_make_tiny_model_cli_writes_a_checkpoint_that_loads_like_qwen25(tmp_path
 
 def test_missing_path_is_a_clear_error(tmp_path):
     with pytest.raises(ModelLoadError, match="no such folder.*local checkpoints only"):
-        load_policy_model({"path": str(tmp_path / "nope")})
+        load_policy_model(ModelConfig(path=str(tmp_path / "nope")))
     with pytest.raises(ModelLoadError, match="is not set"):
-        load_policy_model({"path": None})
+        load_policy_model(ModelConfig(path=None))
 
 
 def test_remote_code_needs_trust_remote_code(tiny_model_path, tmp_path):
@@ -49,7 +49,7 @@ def test_remote_code_needs_trust_remote_code(tiny_model_path, tmp_path):
     config["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="ships its own model code.*trust_remote_code=true"):
-        load_policy_model({"path": str(folder)})
+        load_policy_model(ModelConfig(path=str(folder)))
 
 
 def test_unknown_architecture_and_bad_override(tiny_model_path):
@@ -60,13 +60,13 @@ def test_unknown_architecture_and_bad_override(tiny_model_path):
     with pytest.raises(ModelLoadError, match="override_config.no_such_field"):
         load_hf_config(str(tiny_model_path), {"no_such_field": 1})
     with pytest.raises(ModelLoadError, match="external_lib='not_a_module_xyz'"):
-        load_policy_model({"path": str(tiny_model_path), "external_lib": "not_a_module_xyz"})
+        load_policy_model(ModelConfig(path=str(tiny_model_path), external_lib="not_a_module_xyz"))
 
 
 def test_lora_trains_only_the_adapter_and_disabling_it_gives_the_base_model(tiny_model_path):
-    base, _ = load_policy_model({"path": str(tiny_model_path)})
-    model, _ = load_policy_model({"path": str(tiny_model_path)})
-    model = apply_lora(model, {"lora_rank": 4, "lora_alpha": 8, "target_modules": "all-linear"})
+    base, _ = load_policy_model(ModelConfig(path=str(tiny_model_path)))
+    model, _ = load_policy_model(ModelConfig(path=str(tiny_model_path)))
+    model = apply_lora(model, ModelConfig(lora_rank=4, lora_alpha=8, target_modules="all-linear"))
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
     with torch.no_grad():  # make the adapter non-trivial
@@ -84,7 +84,7 @@ def test_lora_trains_only_the_adapter_and_disabling_it_gives_the_base_model(tiny
 
 
 def test_critic_uses_token_classification_when_available(tiny_model_path):
-    critic, _ = load_critic_model({"path": str(tiny_model_path)})
+    critic, _ = load_critic_model(ModelConfig(path=str(tiny_model_path)))
     assert isinstance(critic, Qwen2ForTokenClassification)
     values = critic(input_ids=torch.tensor([[1, 2, 3]])).logits[..., 0]
     assert values.shape == (1, 3)
@@ -96,12 +96,12 @@ def test_critic_falls_back_to_a_value_head(tiny_model_path, tmp_path):
     CodeGenForCausalLM(CodeGenConfig(vocab_size=320, n_embd=32, n_layer=1, n_head=4, n_positions=64, rotary_dim=4)).save_pretrained(folder)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(tiny_model_path / name, folder / name)
-    critic, _ = load_critic_model({"path": str(folder)})
+    critic, _ = load_critic_model(ModelConfig(path=str(folder)))
     assert isinstance(critic, ValueHeadModel)
     values = critic(input_ids=torch.tensor([[1, 2, 3]])).logits[..., 0]
     assert values.shape == (1, 3)
     critic.save_pretrained(tmp_path / "saved")
-    reloaded, _ = load_critic_model({"path": str(tmp_path / "saved")})
+    reloaded, _ = load_critic_model(ModelConfig(path=str(tmp_path / "saved")))
     assert isinstance(reloaded, ValueHeadModel)
     assert torch.allclose(reloaded(input_ids=torch.tensor([[1, 2, 3]])).logits, critic(input_ids=torch.tensor([[1, 2, 3]])).logits)
 
@@ -118,8 +118,8 @@ def test_lr_schedules_by_hand():
 
 def test_optimizer_and_scheduler_from_config():
     layer = torch.nn.Linear(2, 2)
-    optimizer = build_optimizer(layer.parameters(), {"lr": 0.1, "weight_decay": 0.0, "betas": [0.9, 0.99]})
-    scheduler = build_lr_scheduler(optimizer, {"lr_scheduler_type": "cosine", "lr_warmup_steps_ratio": 0.5, "total_training_steps": 4})
+    optimizer = build_optimizer(layer.parameters(), OptimConfig(lr=0.1, weight_decay=0.0, betas=[0.9, 0.99]))
+    scheduler = build_lr_scheduler(optimizer, OptimConfig(lr_scheduler_type="cosine", lr_warmup_steps_ratio=0.5, total_training_steps=4))
     lrs = []
     for _ in range(4):
         lrs.append(optimizer.param_groups[0]["lr"])
@@ -127,4 +127,4 @@ def test_optimizer_and_scheduler_from_config():
         scheduler.step()
     assert lrs == pytest.approx([0.0, 0.05, 0.1, 0.1 * 0.5 * (1 + math.cos(math.pi * 0.5))])
     with pytest.raises(ValueError, match="needs optim.total_training_steps"):
-        build_lr_scheduler(optimizer, {"lr_scheduler_type": "cosine"})
+        build_lr_scheduler(optimizer, OptimConfig(lr_scheduler_type="cosine"))

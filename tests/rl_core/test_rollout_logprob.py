@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from rl_core.config import ModelConfig
 from rl_core.models.loading import load_policy_model
 from rl_core.models.logprob import response_log_probs, response_values
 from rl_core.models.value_head import load_critic_model
@@ -95,7 +96,7 @@ def test_padding_free_log_probs_entropy_and_values_equal_the_padded_path(policy,
             n_resp = int(mask[row].sum())
             expected = torch.log_softmax(logits[-n_resp - 1 : -1], -1).gather(-1, ids[0, -n_resp:].unsqueeze(-1)).squeeze(-1)
             assert torch.allclose(packed_lp[row][mask[row]], expected, atol=1e-5)
-        critic, _ = load_critic_model({"path": str(tiny_model_path)})
+        critic, _ = load_critic_model(ModelConfig(path=str(tiny_model_path)))
         packed_v = response_values(critic, *args, remove_padding=True)
         padded_v = response_values(critic, *args, remove_padding=False)
     assert torch.allclose(packed_lp[mask], padded_lp[mask], atol=1e-5)

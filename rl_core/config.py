@@ -1,0 +1,387 @@
+"""The run's configuration: every key, its type and its one default, as dataclasses (OmegaConf structured configs).
+
+Key names follow verl 0.9 (``verl/trainer/config/ppo_trainer.yaml``) wherever verl has the concept, so a verl
+user's override strings carry over. This module is the only place a default lives: Hydra composes
+``configs/ppo_trainer.yaml`` on top of :class:`PPOTrainerConfig`, workers and the flow read the composed values and
+never fall back to a default of their own. With no overrides it is the embedded default: the synthetic addition
+task on a tiny Qwen2 model (built and SFT-warm-started once), GRPO, all on CPU.
+
+OmegaConf enforces the types (``data.train_batch_size=many`` is refused) and the key set (a misspelt key is
+refused; there is no free-form key except the ``dict`` fields). ``"${...}"`` defaults interpolate another key.
+Values that a type cannot express (choices, ranges, divisibility) are checked by :func:`check_config`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+
+# ---------------------------------------------------------------------------------------------- data
+@dataclass
+class SyntheticDataConfig:
+    """The demo task (``data.train_files=null``): ``a+b=`` prompts with operands up to ``max_operand``."""
+
+    train_size: int = 2000
+    val_size: int = 200
+    max_operand: int = 9
+
+
+@dataclass
+class DataConfig:
+    train_files: Any = None           # a parquet/jsonl path or a list of them (verl's format); null = the synthetic demo task
+    val_files: Any = None
+    prompt_key: str = "prompt"
+    reward_fn_key: str = "data_source"
+    max_prompt_length: int = 32
+    max_response_length: int = 8
+    train_batch_size: int = 32        # prompts per step (each gets actor_rollout_ref.rollout.n responses)
+    val_batch_size: Optional[int] = None  # null = the whole validation set at once
+    train_max_samples: int = -1       # -1 = all rows
+    val_max_samples: int = -1
+    shuffle: bool = True
+    seed: int = 1                     # the sampler's shuffling seed
+    filter_overlong_prompts: bool = True
+    truncation: str = "error"         # error | left | right: a prompt longer than max_prompt_length (when not filtered)
+    use_chat_template: bool = True    # false (or a tokenizer without a template): prompts are tokenized as raw text
+    synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
+
+
+# ---------------------------------------------------------------------------------------------- models and optimizers
+@dataclass
+class OptimConfig:
+    """AdamW and the LR schedule (see rl_core.models.optim)."""
+
+    lr: float = 1.0e-3
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    lr_warmup_steps_ratio: float = 0.0
+    lr_warmup_steps: int = -1         # >= 0 wins over the ratio
+    lr_scheduler_type: str = "constant"  # constant | cosine
+    min_lr_ratio: float = 0.0
+    num_cycles: float = 0.5
+    total_training_steps: int = -1    # set by the trainer from its resolved step count
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = None        # a local HF checkpoint folder; null = the embedded tiny demo model
+    tokenizer_path: Optional[str] = None  # null = path
+    trust_remote_code: bool = False
+    custom_chat_template: Optional[str] = None  # a Jinja chat template used for the prompts instead of the tokenizer's
+    external_lib: Optional[str] = None  # a module to import first (registers custom model classes)
+    override_config: dict[str, Any] = field(default_factory=dict)
+    dtype: str = "float32"            # float32 | bfloat16 | float16
+    enable_gradient_checkpointing: bool = False
+    use_remove_padding: bool = True   # padding-free forward (packed sequences) for log-probs, values and updates
+    lora_rank: int = 0                # > 0 trains a LoRA adapter instead of the full model
+    lora_alpha: int = 16
+    target_modules: Any = "all-linear"  # a module-name list or "all-linear"
+    lora_adapter_path: Optional[str] = None  # start from a saved adapter
+
+
+@dataclass
+class FSDPConfig:
+    param_offload: bool = False
+    optimizer_offload: bool = False
+
+
+@dataclass
+class PolicyLossConfig:
+    loss_mode: str = "vanilla"        # see `ppoflow algos`
+    clip_cov_ratio: float = 0.0002
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002
+    ppo_kl_coef: float = 0.1
+
+
+@dataclass
+class ActorConfig:
+    strategy: str = "fsdp"            # fsdp | fsdp2: both are FSDP2 (fully_shard) here
+    ppo_mini_batch_size: int = 16     # in prompts; x rollout.n responses per optimizer step
+    ppo_micro_batch_size_per_gpu: int = 32  # responses per forward/backward (gradient accumulation)
+    ppo_epochs: int = 1
+    shuffle: bool = False
+    clip_ratio: float = 0.2
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.28
+    clip_ratio_c: float = 3.0         # dual-clip bound
+    tau_pos: float = 1.0              # SAPO temperatures
+    tau_neg: float = 1.05
+    loss_agg_mode: str = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = True
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    grad_clip: float = 1.0
+    entropy_from_logits_chunk_size: int = 2048
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+
+
+@dataclass
+class RefConfig:
+    log_prob_micro_batch_size_per_gpu: int = 64
+
+
+@dataclass
+class ValKwargsConfig:
+    """Sampling for validation (greedy by default)."""
+
+    n: int = 1
+    do_sample: bool = False
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+
+
+@dataclass
+class RolloutConfig:
+    name: str = "hf"                  # hf (CPU or GPU) | vllm (GPU, `pip install 'ppoflow[gpu]'`)
+    n: int = 8                        # responses per prompt
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1                   # -1 = off
+    do_sample: bool = True
+    response_length: int = "${data.max_response_length}"  # type: ignore[assignment]
+    generation_batch_size: int = 256  # sequences generated at once; bounds memory
+    log_prob_micro_batch_size_per_gpu: int = 64
+    calculate_log_probs: bool = False  # also return the sampler's own log-probs (rollout_log_probs)
+    stop_token_ids: list[int] = field(default_factory=list)  # besides the tokenizer's EOS
+    seed: int = 0                     # sampling is seeded by (seed, step): a re-run step draws the same samples
+    val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    hybrid_engine: bool = True        # rollout shares the actor's weights in the same worker (the only mode built)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+
+
+@dataclass
+class CriticModelConfig:
+    """The value model; by default the policy's checkpoint with a fresh value head."""
+
+    path: Optional[str] = "${actor_rollout_ref.model.path}"
+    tokenizer_path: Optional[str] = "${actor_rollout_ref.model.tokenizer_path}"
+    trust_remote_code: bool = "${actor_rollout_ref.model.trust_remote_code}"  # type: ignore[assignment]
+    external_lib: Optional[str] = "${actor_rollout_ref.model.external_lib}"
+    override_config: dict[str, Any] = field(default_factory=dict)
+    dtype: str = "${actor_rollout_ref.model.dtype}"
+    enable_gradient_checkpointing: bool = False
+    use_remove_padding: bool = "${actor_rollout_ref.model.use_remove_padding}"  # type: ignore[assignment]
+    lora_rank: int = 0
+    lora_alpha: int = 16
+    target_modules: Any = "all-linear"
+    lora_adapter_path: Optional[str] = None
+
+
+@dataclass
+class CriticConfig:
+    enable: Optional[bool] = None     # null = only when the estimator needs values (gae)
+    strategy: str = "fsdp"
+    rollout_n: int = "${actor_rollout_ref.rollout.n}"  # type: ignore[assignment]
+    ppo_mini_batch_size: int = "${actor_rollout_ref.actor.ppo_mini_batch_size}"  # type: ignore[assignment]
+    ppo_micro_batch_size_per_gpu: int = 32
+    forward_micro_batch_size_per_gpu: int = 64
+    ppo_epochs: int = "${actor_rollout_ref.actor.ppo_epochs}"  # type: ignore[assignment]
+    shuffle: bool = False
+    cliprange_value: float = 0.5
+    loss_agg_mode: str = "${actor_rollout_ref.actor.loss_agg_mode}"
+    grad_clip: float = 1.0
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+
+# ---------------------------------------------------------------------------------------------- reward
+@dataclass
+class RewardModelModelConfig:
+    path: Optional[str] = None
+    input_tokenizer: Optional[str] = None  # the policy's tokenizer path when it differs from the reward model's
+    trust_remote_code: bool = False
+    dtype: str = "float32"
+
+
+@dataclass
+class RewardModelConfig:
+    enable: bool = False
+    micro_batch_size_per_gpu: int = 64
+    model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
+
+
+@dataclass
+class CustomRewardFunctionConfig:
+    path: Optional[str] = None        # a .py file with compute_score(data_source, solution_str, ground_truth, extra_info)
+    name: str = "compute_score"
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)  # extra keyword arguments for the function
+
+
+@dataclass
+class OverlongBufferConfig:
+    """DAPO's soft overlong punishment."""
+
+    enable: bool = False
+    len: int = 4
+    penalty_factor: float = 1.0
+
+
+@dataclass
+class RewardConfig:
+    reward_manager: str = "naive"     # naive (one call per sample) | batch (one call with lists)
+    on_error: str = "raise"           # raise: the step fails naming the sample; zero: it scores 0 and is counted
+    lenient_answers: bool = False     # accept near-misses verl's rule scorers reject (a trailing period after #### N)
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+
+
+# ---------------------------------------------------------------------------------------------- algorithm
+@dataclass
+class KLControlConfig:
+    type: str = "fixed"               # fixed | adaptive
+    kl_coef: float = 0.001
+    horizon: int = 10000
+    target_kl: float = 0.1
+
+
+@dataclass
+class FilterGroupsConfig:
+    """DAPO dynamic sampling: keep only the prompts whose responses differ in ``metric``."""
+
+    enable: bool = False
+    metric: str = "seq_final_reward"  # seq_final_reward | seq_reward | acc (or any per-sample value the scorer returns)
+    max_num_gen_batches: int = 0      # 0 = no limit
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"       # see `ppoflow algos`
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+
+
+# ---------------------------------------------------------------------------------------------- trainer
+@dataclass
+class RayConfig:
+    address: Optional[str] = None     # null = RAY_ADDRESS, else a local cluster on 127.0.0.1
+    num_cpus: Optional[int] = None    # the local cluster's CPUs; null = the machine's
+
+
+@dataclass
+class TrainerConfig:
+    project_name: str = "ppoflow"     # the MLflow experiment
+    experiment_name: str = "demo"     # the MLflow run name
+    total_epochs: int = 1000          # training stops at whichever of total_epochs / total_training_steps comes first
+    total_training_steps: Optional[int] = 100  # null = total_epochs passes over the data
+    device: str = "cpu"               # cpu | cuda
+    n_gpus_per_node: int = 1          # workers per node (one per GPU; on CPU, one per process)
+    nnodes: int = 1
+    cpus_per_worker: Optional[int] = None  # null = a node's CPUs shared out evenly between its workers
+    critic_warmup: int = 0            # steps that train only the critic
+    balance_batch: bool = False       # reorder a step's batch so that every rank gets a similar token count
+    val_before_train: bool = True
+    test_freq: int = 25               # validate every N steps (and after the last); -1 = never
+    save_freq: int = 25               # checkpoint every N steps (and after the last); -1 = never
+    max_ckpt_to_keep: Optional[int] = 2  # null = keep all
+    default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"
+    resume_mode: str = "auto"         # auto | disable | resume_path
+    resume_from_path: Optional[str] = None  # a global_step_N folder, with resume_mode=resume_path
+    log_samples_freq: int = 25        # rollout samples table every N steps; -1 = never
+    num_logged_samples: int = 16
+    register_model_name: Optional[str] = None  # register the final actor in the MLflow model registry under this name
+    max_worker_restarts: int = 2      # a dead worker: rebuild the group from the latest checkpoint at most this often
+    keep_workers: bool = False        # a failed run leaves its workers alive for a retry of the same run (a pending
+                                      # Prefect flow-run retry keeps them too)
+    worker_timeout_s: float = 600.0   # every remote call's timeout
+    stage_retries: int = 1            # retries of idempotent stages (generate, log-probs, values) on transient errors
+    tracking_uri: str = "sqlite:///mlflow.db"  # MLFLOW_TRACKING_URI wins when set
+    artifact_location: str = "mlartifacts"
+    cache_dir: str = ".ppoflow"       # the embedded demo model and data are built here once
+    ray: RayConfig = field(default_factory=RayConfig)
+
+
+@dataclass
+class PPOTrainerConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+def default_config() -> DictConfig:
+    """The whole default config as a typed OmegaConf node (what ``ppoflow config`` prints with no overrides)."""
+    return OmegaConf.structured(PPOTrainerConfig)
+
+
+# ---------------------------------------------------------------------------------------------- value checks
+CHOICES = {
+    "data.truncation": ("error", "left", "right"),
+    "actor_rollout_ref.model.dtype": ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16"),
+    "actor_rollout_ref.actor.strategy": ("fsdp", "fsdp2"),
+    "actor_rollout_ref.actor.optim.lr_scheduler_type": ("constant", "cosine"),
+    "critic.strategy": ("fsdp", "fsdp2"),
+    "critic.optim.lr_scheduler_type": ("constant", "cosine"),
+    "reward.reward_manager": ("naive", "batch"),
+    "reward.on_error": ("raise", "zero"),
+    "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
+    "trainer.device": ("cpu", "cuda"),
+    "trainer.resume_mode": ("auto", "disable", "resume_path"),
+}
+POSITIVE = (
+    "data.max_prompt_length", "data.max_response_length", "data.train_batch_size",
+    "actor_rollout_ref.actor.ppo_mini_batch_size", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+    "actor_rollout_ref.actor.ppo_epochs", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+    "actor_rollout_ref.rollout.n", "actor_rollout_ref.rollout.generation_batch_size",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", "actor_rollout_ref.rollout.val_kwargs.n",
+    "critic.ppo_micro_batch_size_per_gpu", "critic.forward_micro_batch_size_per_gpu", "reward_model.micro_batch_size_per_gpu",
+    "trainer.total_epochs", "trainer.n_gpus_per_node", "trainer.nnodes", "trainer.worker_timeout_s",
+)
+
+
+class ConfigValueError(ValueError):
+    """A value of the right type that cannot work (a bad choice, a non-positive size, ...)."""
+
+
+def check_config(config: Any) -> None:
+    """Refuse values that the types allow but the run cannot use, naming the key and the fix."""
+    for key, allowed in CHOICES.items():
+        value = OmegaConf.select(config, key)
+        if value not in allowed:
+            raise ConfigValueError(f"{key}={value!r}: choose one of {', '.join(allowed)}")
+    for key in POSITIVE:
+        value = OmegaConf.select(config, key)
+        if not value > 0:
+            raise ConfigValueError(f"{key}={value!r}: must be > 0")
+    steps = config.trainer.total_training_steps
+    if steps is not None and steps <= 0:
+        raise ConfigValueError(f"trainer.total_training_steps={steps}: must be > 0 (or null to train for trainer.total_epochs)")
+    for key in ("actor_rollout_ref.actor.optim.lr", "critic.optim.lr"):
+        lr = OmegaConf.select(config, key)
+        if not (math.isfinite(lr) and lr > 0):
+            raise ConfigValueError(f"{key}={lr!r}: must be a finite number > 0")
+    actor = config.actor_rollout_ref.actor
+    if actor.ppo_mini_batch_size > config.data.train_batch_size:
+        raise ConfigValueError(f"actor_rollout_ref.actor.ppo_mini_batch_size={actor.ppo_mini_batch_size} > data.train_batch_size="
+                               f"{config.data.train_batch_size}: a mini-batch cannot be larger than the step's batch")
+    if config.algorithm.filter_groups.enable and config.algorithm.use_kl_in_reward:
+        raise ConfigValueError("algorithm.filter_groups.enable=true with algorithm.use_kl_in_reward=true: groups are filtered before "
+                               "the log-probs that the KL penalty needs exist; use actor_rollout_ref.actor.use_kl_loss instead")
+    if not config.actor_rollout_ref.hybrid_engine:
+        raise ConfigValueError("actor_rollout_ref.hybrid_engine=false: only the hybrid engine (rollout in the actor's worker, "
+                               "sharing its weights) is built; set it to true")
