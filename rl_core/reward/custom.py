@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
-def load_custom_reward_function(path: str | None, name: str = "compute_score") -> Callable | None:
-    """The function ``name`` of the Python file ``path`` (None when no path is configured)."""
+def load_custom_reward_function(path: str | None, name: str = "compute_score", reward_kwargs: dict[str, Any] | None = None) -> Callable | None:
+    """The function ``name`` of the Python file ``path`` with ``reward_kwargs`` bound (None when no path is set)."""
     if not path:
         return None
     file = Path(path).expanduser()
@@ -27,4 +29,4 @@ def load_custom_reward_function(path: str | None, name: str = "compute_score") -
     if not callable(function):
         available = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
         raise AttributeError(f"custom_reward_function.name={name!r} is not a function in {path} (it has: {available})")
-    return function
+    return functools.wraps(function)(functools.partial(function, **reward_kwargs)) if reward_kwargs else function

@@ -14,6 +14,7 @@ over the last ``len`` tokens before ``max_response_length``.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,8 +22,8 @@ from typing import Any
 
 import torch
 
-from rl_core.algos.config_access import config_get
 from rl_core.batch import Batch
+from rl_core.config import DataConfig, RewardConfig
 from rl_core.reward.scorers import default_compute_score
 
 
@@ -53,25 +54,29 @@ def _as_score(result: Any) -> tuple[float, dict]:
 
 
 class RewardManager:
-    def __init__(self, tokenizer: Any, compute_score: Callable | None = None, reward_manager: str = "naive",
-                 reward_fn_key: str = "data_source", on_error: str = "raise", overlong_buffer: Any = None,
-                 max_response_length: int | None = None):
-        if reward_manager not in ("naive", "batch"):
-            raise ValueError(f"reward.reward_manager={reward_manager!r}; choose naive or batch")
-        if on_error not in ("raise", "zero"):
-            raise ValueError(f"reward.on_error={on_error!r}; choose raise or zero")
-        if reward_manager == "batch" and compute_score is None:
+    """Scores responses (see the module doc). ``reward_config`` / ``data_config`` are the ``reward`` and ``data``
+    config nodes; None takes rl_core.config's defaults."""
+
+    def __init__(self, tokenizer: Any, compute_score: Callable | None = None, reward_config: Any = None, data_config: Any = None):
+        reward_config = reward_config if reward_config is not None else RewardConfig()
+        data_config = data_config if data_config is not None else DataConfig()
+        if reward_config.reward_manager not in ("naive", "batch"):
+            raise ValueError(f"reward.reward_manager={reward_config.reward_manager!r}; choose naive or batch")
+        if reward_config.on_error not in ("raise", "zero"):
+            raise ValueError(f"reward.on_error={reward_config.on_error!r}; choose raise or zero")
+        if reward_config.reward_manager == "batch" and compute_score is None:
             raise ValueError("reward.reward_manager=batch needs custom_reward_function.path (a function taking lists)")
         self.tokenizer = tokenizer
-        self.compute_score = compute_score or default_compute_score
-        self.score_name = getattr(self.compute_score, "__name__", "compute_score")
-        self.mode, self.reward_fn_key, self.on_error = reward_manager, reward_fn_key, on_error
-        self.overlong_enabled = bool(config_get(overlong_buffer, "enable", False))
-        self.overlong_len = int(config_get(overlong_buffer, "len", 0))
-        self.overlong_penalty = float(config_get(overlong_buffer, "penalty_factor", 1.0))
-        self.max_response_length = max_response_length
-        if self.overlong_enabled and (not max_response_length or not 0 < self.overlong_len < max_response_length):
-            raise ValueError(f"reward.overlong_buffer.len={self.overlong_len} must be in (0, data.max_response_length={max_response_length})")
+        self.compute_score = compute_score or functools.partial(default_compute_score, lenient=bool(reward_config.lenient_answers))
+        self.score_name = getattr(compute_score, "__name__", "compute_score") if compute_score else "default_compute_score"
+        self.mode, self.reward_fn_key, self.on_error = reward_config.reward_manager, data_config.reward_fn_key, reward_config.on_error
+        overlong = reward_config.overlong_buffer
+        self.overlong_enabled = bool(overlong.enable)
+        self.overlong_len = int(overlong.len)
+        self.overlong_penalty = float(overlong.penalty_factor)
+        self.max_response_length = int(data_config.max_response_length)
+        if self.overlong_enabled and not 0 < self.overlong_len < self.max_response_length:
+            raise ValueError(f"reward.overlong_buffer.len={self.overlong_len} must be in (0, data.max_response_length={self.max_response_length})")
 
     def __call__(self, batch: Batch) -> RewardResult:
         response_mask = batch.tensors["response_mask"]
@@ -135,13 +140,4 @@ class RewardManager:
 
 def build_reward_manager(config: Any, tokenizer: Any, compute_score: Callable | None = None) -> RewardManager:
     """The reward manager described by the root config (``reward``, ``data``)."""
-    reward_config = config_get(config, "reward")
-    data_config = config_get(config, "data")
-    return RewardManager(
-        tokenizer, compute_score,
-        reward_manager=config_get(reward_config, "reward_manager", "naive"),
-        reward_fn_key=config_get(data_config, "reward_fn_key", "data_source"),
-        on_error=config_get(reward_config, "on_error", "raise"),
-        overlong_buffer=config_get(reward_config, "overlong_buffer"),
-        max_response_length=config_get(data_config, "max_response_length"),
-    )
+    return RewardManager(tokenizer, compute_score, config.reward, config.data)
