@@ -157,14 +157,20 @@ class Batch:
         return [self[start : start + split_size] for start in range(0, len(self), split_size)]
 
     def pad_to_multiple(self, multiple: int) -> tuple[Batch, int]:
-        """Append copies of the first rows until the size divides by ``multiple``; returns (padded, pad_size)."""
+        """Append copies of the first rows until the size divides by ``multiple``; returns (padded, pad_size).
+
+        The copies carry zero weight: their ``response_mask`` (when the batch has one) is all zeros, so that a
+        loss, a token count or a masked metric computed over the padded batch equals the unpadded one's."""
         pad_size = -len(self) % multiple
         if pad_size == 0:
             return self, 0
         if len(self) == 0:
             raise ValueError("Batch.pad_to_multiple: cannot pad an empty batch")
         repeats = [self[: min(pad_size - done, len(self))] for done in range(0, pad_size, len(self))]
-        return Batch.concat([self, *repeats]), pad_size
+        padded = Batch.concat([self, *repeats])
+        if "response_mask" in padded.tensors:
+            padded.tensors["response_mask"][len(self):] = 0  # concat made a new tensor: the original is untouched
+        return padded, pad_size
 
     def unpad(self, pad_size: int) -> Batch:
         """Drop the ``pad_size`` rows that :meth:`pad_to_multiple` appended."""

@@ -21,3 +21,9 @@ def global_sum(value: torch.Tensor | float) -> torch.Tensor:
         total = total.to(device)
         dist.all_reduce(total)
     return total.cpu()
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on any data-parallel rank. Every rank must call it: ranks that must stop together
+    (a non-finite loss on one of them) agree here instead of leaving the others waiting in a collective."""
+    return bool(global_sum(float(flag)) > 0) if world_size() > 1 else flag

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from rl_core.batch import Batch
-from rl_core.workers.data_parallel import global_sum, world_size
+from rl_core.workers.data_parallel import any_rank, global_sum, world_size
 
 
 class NonFiniteError(FloatingPointError):
@@ -32,12 +32,10 @@ def mini_batches(batch: Batch, mini_batch_size: int, epochs: int, shuffle: bool,
             yield epoch, mini
 
 
-def local_mini_batch_size(global_mini_batch_size: int, setting: str) -> int:
-    """This rank's share of a mini-batch (in responses); the global size must divide by the world size."""
-    ranks = world_size()
-    if global_mini_batch_size % ranks:
-        raise ValueError(f"{setting}.ppo_mini_batch_size x rollout.n = {global_mini_batch_size} responses does not divide over {ranks} ranks")
-    return global_mini_batch_size // ranks
+def local_mini_batch_size(global_mini_batch_size: int) -> int:
+    """This rank's share of a mini-batch (in responses), rounded up: a batch that does not divide over the ranks is
+    padded by the dispatcher with rows of zero weight (``response_mask`` 0), which change no gradient and no count."""
+    return -(-global_mini_batch_size // world_size())
 
 
 def global_batch_info(mini: Batch) -> dict[str, float]:
@@ -76,10 +74,11 @@ def run_updates(
         micro_metrics: dict[str, list[float]] = defaultdict(list)
         for micro in mini.split(micro_batch_size):
             loss, metrics = micro_loss(micro, info)
-            if not torch.isfinite(loss):
+            if any_rank(not bool(torch.isfinite(loss))):  # all ranks stop together, before backward's collectives
                 optimizer.zero_grad(set_to_none=True)
-                raise NonFiniteError(f"{name} update: the loss is {loss.item()} (epoch {epoch}); the optimizer step was not taken. "
-                                     f"Lower the learning rate or check the rewards and advantages for NaN/Inf")
+                raise NonFiniteError(f"{name} update: the loss is {loss.item()} on this rank (epoch {epoch}; non-finite on at least one "
+                                     f"rank); the optimizer step was not taken. Lower the learning rate or check the rewards and "
+                                     f"advantages for NaN/Inf")
             loss.backward()
             for key, value in metrics.items():
                 micro_metrics[key].append(value)

@@ -11,6 +11,7 @@ from infra.resource_pool import ResourcePool
 from infra.worker_group import WorkerGroup
 from rl_core.batch import Batch
 from rl_core.workers import ActorRolloutRefWorker, CriticWorker
+from rl_core.workers.train_loop import NonFiniteError
 from tests.rl_core.helpers import addition_dataset
 
 
@@ -89,3 +90,35 @@ def test_actor_critic_and_ref_fused_in_one_process(ray_address, worker_env, fixe
         assert group.health()[0]["steps_trained"] == {"actor_rollout_ref": 1, "critic": 1}
     finally:
         group.kill()
+
+
+@pytest.mark.parametrize("loss_agg_mode", ["token-mean", "seq-mean-token-mean"])
+def test_a_batch_that_does_not_divide_over_the_ranks_gives_the_one_rank_update(ray_address, worker_env, fixed_batch, config, tmp_path,
+                                                                                loss_agg_mode):
+    """15 responses over 2 ranks: the dispatcher pads one row, which must weigh nothing (loss, token counts, metrics)."""
+    config.actor_rollout_ref.actor.ppo_mini_batch_size = 4  # x n=4: one mini-batch of all (16 >= 15) responses
+    config.actor_rollout_ref.actor.loss_agg_mode = loss_agg_mode
+    odd = fixed_batch[list(range(15))]
+    results = {}
+    for world in (1, 2):
+        group = actor_group(config, world, f"uneven{world}", worker_env)
+        try:
+            actor = group.role("actor_rollout_ref")
+            metrics = actor.update_actor(odd).meta_info["metrics"]
+            actor.save_checkpoint(str(tmp_path / f"world{world}"))
+            results[world] = (metrics, load_file(str(tmp_path / f"world{world}" / "model.safetensors")))
+            if world == 2:  # a NaN loss on rank 1 only: both ranks stop at once, none waits in a collective
+                poisoned = copy.deepcopy(odd)
+                poisoned.tensors["advantages"][12] = float("nan")  # row 12 lands on rank 1 (rows 8-15)
+                with pytest.raises(NonFiniteError, match="non-finite on at least one rank"):
+                    actor.update_actor(poisoned, timeout_s=60)
+        finally:
+            group.kill()
+    (m1, w1), (m2, w2) = results[1], results[2]
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):  # a padded row with weight would move these by ~1/15
+        assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
+    # Adam's first step is lr * g / (|g| + eps): where the gradient nearly cancels, float noise of the summation order
+    # (2 ranks vs 1) can flip single elements by up to 2 lr; all but a handful must agree
+    differing = sum(int((w1[name] - w2[name]).abs().gt(1e-5).sum()) for name in w1)
+    assert differing <= 1e-4 * sum(w.numel() for w in w1.values()), differing
+    assert all((w1[name] - w2[name]).abs().max() <= 2.5e-3 for name in w1)
