@@ -1,5 +1,6 @@
-"""Overhead of the controller: the demo workload through the Prefect flow on Ray workers vs the same stages
-as direct calls on an in-process worker (no Prefect, no Ray), same sizes, same process.
+"""Overhead of the controller: the demo workload through the Prefect flow on Ray workers vs the same step function
+(``rl_core.ppo_step.run_ppo_step``) with plain stage calls on an in-process worker (no Prefect, no Ray), same
+sizes, same process.
 
     python bench/step_overhead.py [--steps 30] [--warmup 5] [--batch 128] [hydra overrides]
 
@@ -32,13 +33,13 @@ def overrides(folder: str, steps: int, batch: int) -> list[str]:
 
 
 def direct_steps(settings: list[str]) -> list[float]:
-    """The stages as plain calls on an in-process worker (rl_core.ppo_step), timed per step."""
+    """The same step function (rl_core.ppo_step.run_ppo_step) with stages as plain calls on an in-process worker."""
     from flows.config import compose_config
     from flows.demo import apply_embedded_defaults
     from rl_core.algos.kl import get_kl_controller
     from rl_core.data.dataset import RLDataset
     from rl_core.data.sampler import ResumableSampler
-    from rl_core.ppo_step import run_ppo_step, use_reference
+    from rl_core.ppo_step import StepWorkers, run_ppo_step, use_reference
     from rl_core.reward.manager import build_reward_manager
     from rl_core.workers import ActorRolloutRefWorker
 
@@ -53,8 +54,7 @@ def direct_steps(settings: list[str]) -> list[float]:
     times = []
     for step in range(1, config.trainer.total_training_steps + 1):
         started = time.perf_counter()
-        prompts = data.collate(sampler.next_batch(), uid_prefix=f"{step}-0-")
-        run_ppo_step(prompts, actor, None, reward, config, kl, global_step=step * 1000)
+        run_ppo_step(config, StepWorkers(actor=actor), data, sampler, reward, kl, step)
         times.append(time.perf_counter() - started)
     return times
 

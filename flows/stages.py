@@ -1,85 +1,59 @@
-"""The PPO step's stages as Prefect tasks. Each body is one worker-group call (or cheap maths in the flow
-process); the batch never crosses a persisted boundary (NO_CACHE, persist_result=False).
+"""The PPO step's stages as Prefect tasks: the stage runner the training flow gives :func:`rl_core.ppo_step.run_ppo_step`.
 
-Idempotent stages (generation is seeded by the step; log-probs and values are pure functions of the weights)
-may be retried on transient errors; updates and checkpoints are not retried (the flow recovers those from
-the last checkpoint instead).
+Each stage function of ``rl_core.ppo_step`` becomes one task of the same name, so the Prefect UI shows one task run
+per stage per step, with the data dependencies between them (a stage's inputs are earlier stages' outputs). The
+batch never crosses a persisted boundary (``NO_CACHE``, ``persist_result=False``): it stays in the flow process and
+Ray's object store.
+
+Idempotent stages (generation is seeded by the step; log-probs and values are pure functions of the weights) are
+retried on transient errors; updates are not (the flow recovers those from the last checkpoint instead), and a
+dead or timed-out worker is never retried here: the flow rebuilds the worker group.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from prefect import task
+from prefect import Task, task
 from prefect.cache_policies import NO_CACHE
 
-from infra.worker_group import WorkerDiedError, WorkerGroup
-from rl_core.batch import Batch
-from rl_core.ppo_step import add_reward, compute_advantage, merge_stage
-from rl_core.reward.manager import RewardManager
+from infra.worker_group import WorkerDiedError, WorkerTimeoutError
+from rl_core import ppo_step
 
-STAGE = {"cache_policy": NO_CACHE, "persist_result": False}
-# what each worker stage reads: only these tensors travel to the workers (no per-sample Python objects)
-SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+STAGE_FUNCTIONS = {name: getattr(ppo_step, name) for name in ppo_step.TIMING_NAMES}
 
 
-def needed(batch: Batch, *extra: str) -> Batch:
-    return batch.select([*SEQUENCE_KEYS, *(k for k in extra if k in batch.tensors)])
+def retryable(error: BaseException) -> bool:
+    """Transient errors are retried in place; a dead or timed-out worker needs the group rebuilt, which the flow does
+    (a retry would reach a dead worker, or queue behind the stale call)."""
+    return not isinstance(error, (WorkerDiedError, WorkerTimeoutError))
 
 
-def _not_a_dead_worker(task: Any, task_run: Any, state: Any) -> bool:
-    """Retry transient errors only: a dead worker needs the group rebuilt, which the flow does."""
+def _retry_condition(task: Any, task_run: Any, state: Any) -> bool:
     try:
         state.result()
-    except WorkerDiedError:
-        return False
-    except Exception:
-        return True
+    except Exception as error:
+        return retryable(error)
     return False
 
 
-IDEMPOTENT = {**STAGE, "retry_condition_fn": _not_a_dead_worker}
+def stage_tasks(retries: int) -> dict[str, Task]:
+    """One Prefect task per stage; the idempotent ones retried ``retries`` times."""
+    tasks = {}
+    for name, fn in STAGE_FUNCTIONS.items():
+        options: dict[str, Any] = {"name": name, "cache_policy": NO_CACHE, "persist_result": False}
+        if name in ppo_step.IDEMPOTENT_STAGES and retries > 0:
+            options.update(retries=retries, retry_delay_seconds=1, retry_condition_fn=_retry_condition)
+        tasks[name] = task(fn, **options)
+    return tasks
 
 
-@task(name="generate", **IDEMPOTENT)
-def generate(workers: WorkerGroup, prompts: Batch, timeout_s: float) -> Batch:
-    return workers.role("actor_rollout_ref").generate_sequences(prompts, timeout_s=timeout_s, stage="generate")
+def prefect_stage_runner(retries: int) -> Callable[..., Any]:
+    """``run_stage(name, fn, *args)`` that runs the stage as the Prefect task ``name``."""
+    tasks = stage_tasks(retries)
 
+    def run_stage(name: str, fn: Callable, *args: Any) -> Any:
+        return tasks[name](*args)
 
-@task(name="reward", **STAGE)
-def reward(workers: WorkerGroup, batch: Batch, reward_manager: RewardManager, timeout_s: float) -> dict[str, float]:
-    if "reward_model" in workers.roles:
-        batch.union(workers.role("reward_model").compute_rm_score(batch, timeout_s=timeout_s, stage="reward"))
-    result = reward_manager(batch)
-    add_reward(batch, result)
-    return result.metrics
-
-
-@task(name="old_log_prob", **IDEMPOTENT)
-def old_log_prob(workers: WorkerGroup, batch: Batch, metrics: dict, timeout_s: float) -> None:
-    merge_stage(batch, workers.role("actor_rollout_ref").compute_log_prob(needed(batch), timeout_s=timeout_s, stage="old_log_prob"), metrics)
-
-
-@task(name="ref_log_prob", **IDEMPOTENT)
-def ref_log_prob(workers: WorkerGroup, batch: Batch, metrics: dict, timeout_s: float) -> None:
-    merge_stage(batch, workers.role("actor_rollout_ref").compute_ref_log_prob(needed(batch), timeout_s=timeout_s, stage="ref_log_prob"), metrics)
-
-
-@task(name="values", **IDEMPOTENT)
-def values(workers: WorkerGroup, batch: Batch, metrics: dict, timeout_s: float) -> None:
-    merge_stage(batch, workers.role("critic").compute_values(needed(batch), timeout_s=timeout_s, stage="values"), metrics)
-
-
-@task(name="advantage", **STAGE)
-def advantage(batch: Batch, config: Any, kl_controller: Any) -> dict[str, float]:
-    return compute_advantage(batch, config, kl_controller)
-
-
-@task(name="update_critic", **STAGE)
-def update_critic(workers: WorkerGroup, batch: Batch, metrics: dict, timeout_s: float) -> None:
-    merge_stage(batch, workers.role("critic").update_critic(needed(batch, "values", "returns"), timeout_s=timeout_s, stage="update_critic"), metrics)
-
-
-@task(name="update_actor", **STAGE)
-def update_actor(workers: WorkerGroup, batch: Batch, metrics: dict, timeout_s: float) -> None:
-    merge_stage(batch, workers.role("actor_rollout_ref").update_actor(needed(batch, "old_log_probs", "advantages", "ref_log_prob"), timeout_s=timeout_s, stage="update_actor"), metrics)
+    return run_stage

@@ -1,12 +1,12 @@
 """The PPO training flow: Prefect is the single controller, Ray workers do the work, MLflow records it.
 
-One flow run = one training run. Per step, one Prefect task per stage (see flows/stages.py), in the seed's
-order: generate -> reward -> old_log_prob -> ref_log_prob -> values -> advantage -> update_critic ->
-update_actor; then validation, metrics (one MLflow call) and the checkpoint. Stages are skipped as in verl.
+One flow run = one training run. Each step is :func:`rl_core.ppo_step.run_ppo_step` with one Prefect task per
+stage (flows/stages.py): generate -> reward -> old_log_prob -> ref_log_prob -> values -> advantage ->
+update_critic -> update_actor; then validation, metrics (one MLflow call) and the checkpoint.
 
 Recovery: the unit of resumption is the step checkpoint. ``trainer.resume_mode=auto`` continues from the
-latest one in the same MLflow run; a dead worker makes the flow rebuild the worker group and re-run from the
-latest checkpoint (at most ``trainer.max_worker_restarts`` times); a flow retry re-enters through the same
+latest one in the same MLflow run; a dead or timed-out worker makes the flow rebuild the worker group and re-run
+from the latest checkpoint (at most ``trainer.max_worker_restarts`` times); a flow retry re-enters through the same
 resume path and reattaches to the run's workers when they are alive.
 """
 
@@ -22,22 +22,21 @@ from omegaconf import DictConfig
 from prefect import flow, runtime
 from prefect.context import FlowRunContext
 
-from flows import stages
 from flows.config import compose_config
 from flows.demo import apply_embedded_defaults
+from flows.stages import prefect_stage_runner
 from flows.tracking import RunTracker, tracking_uri
-from flows.workers import build_workers, reattach_workers
+from flows.workers import build_workers, reattach_workers, step_workers
 from infra.cluster import connect
-from infra.worker_group import WorkerDiedError, WorkerGroup
+from infra.worker_group import WorkerDiedError, WorkerGroup, WorkerTimeoutError
 from rl_core.algos.kl import get_kl_controller
 from rl_core.batch import Batch
 from rl_core.data.dataset import RLDataset
 from rl_core.data.sampler import ResumableSampler
-from rl_core.metrics import compute_data_metrics, validation_metrics
-from rl_core.models.loading import load_tokenizer
-from rl_core.ppo_step import balanced_order, informative_groups, use_critic, use_reference
+from rl_core.models.loading import load_policy_tokenizer
+from rl_core.ppo_step import resolved_total_steps, run_ppo_step, run_validation
 from rl_core.reward.custom import load_custom_reward_function
-from rl_core.reward.manager import RewardManager, build_reward_manager
+from rl_core.reward.manager import build_reward_manager
 from rl_core.step_checkpoint import CheckpointError, StepCheckpoints
 
 
@@ -69,85 +68,8 @@ def resume_folder(config: DictConfig, checkpoints: StepCheckpoints) -> Path | No
         folder = Path(config.trainer.resume_from_path)
         checkpoints.check_complete(folder)
         return folder
-    if mode != "auto":
-        raise ValueError(f"trainer.resume_mode={mode!r}; choose auto, disable or resume_path")
     step = checkpoints.latest_step()
     return None if step is None else checkpoints.step_dir(step)
-
-
-# ---------------------------------------------------------------------------------------------- one step
-def run_step(config: DictConfig, workers: WorkerGroup, train_data: RLDataset, reward_manager: RewardManager,
-             progress: Progress, step: int) -> tuple[Batch, dict[str, float]]:
-    """Stages 1-8 of step ``step`` (with DAPO's dynamic sampling when enabled); returns (batch, metrics)."""
-    timeout, n = config.trainer.worker_timeout_s, config.actor_rollout_ref.rollout.n
-    retrying = {"retries": config.trainer.stage_retries, "retry_delay_seconds": 1}
-    metrics: dict[str, float] = {}
-    timing: dict[str, float] = {}
-
-    def timed(name: str, call):
-        start = time.perf_counter()
-        result = call()
-        timing[f"timing_s/{name}"] = timing.get(f"timing_s/{name}", 0.0) + time.perf_counter() - start
-        return result
-
-    # Stages 1-2: rollout and reward (repeated for dynamic sampling until enough informative groups)
-    filter_groups = config.algorithm.filter_groups
-    kept: list[Batch] = []
-    gen_batches = 0
-    while True:
-        prompts = train_data.collate(progress.sampler.next_batch(), uid_prefix=f"{step}-{gen_batches}-")
-        prompts.meta_info["global_step"] = step * 1000 + gen_batches  # seeds sampling: a re-run step draws the same
-        gen_batches += 1
-        batch = timed("gen", lambda: stages.generate.with_options(**retrying)(workers, prompts, timeout))
-        metrics.update(timed("reward", lambda: stages.reward(workers, batch, reward_manager, timeout)))
-        if not filter_groups.enable:
-            kept = [batch]
-            break
-        kept.append(batch[informative_groups(batch, filter_groups.metric)])
-        if sum(len(b) for b in kept) >= config.data.train_batch_size * n:
-            break
-        if 0 < filter_groups.max_num_gen_batches <= gen_batches:
-            raise RuntimeError(f"dynamic sampling found fewer than {config.data.train_batch_size} prompts with differing scores in "
-                               f"{gen_batches} generation batches; raise algorithm.filter_groups.max_num_gen_batches "
-                               f"or check the data (are all responses scored alike?)")
-    batch = Batch.concat(kept)[: config.data.train_batch_size * n] if filter_groups.enable else kept[0]
-    if filter_groups.enable:
-        metrics["train/num_gen_batches"] = float(gen_batches)
-    if config.trainer.balance_batch and workers.world_size > 1:
-        batch = batch[balanced_order(batch.tensors["attention_mask"].sum(-1).tolist(), workers.world_size)]
-
-    # Stages 3-5: log-probs of the current and reference policies, values
-    timed("old_log_prob", lambda: stages.old_log_prob.with_options(**retrying)(workers, batch, metrics, timeout))
-    if use_reference(config):
-        timed("ref", lambda: stages.ref_log_prob.with_options(**retrying)(workers, batch, metrics, timeout))
-    if use_critic(config):
-        timed("values", lambda: stages.values.with_options(**retrying)(workers, batch, metrics, timeout))
-
-    # Stage 6: advantage (cheap maths, in the flow process)
-    metrics.update(timed("adv", lambda: stages.advantage(batch, config, progress.kl_controller)))
-
-    # Stages 7-8: critic and actor updates
-    if use_critic(config):
-        timed("update_critic", lambda: stages.update_critic(workers, batch, metrics, timeout))
-    if step >= config.trainer.critic_warmup:
-        timed("update_actor", lambda: stages.update_actor(workers, batch, metrics, timeout))
-    return batch, {**metrics, **compute_data_metrics(batch), **timing}
-
-
-def validate(config: DictConfig, workers: WorkerGroup, val_data: RLDataset, reward_manager: RewardManager) -> dict[str, float]:
-    """Greedy (``val_kwargs``) rollouts on the validation set, scored: ``val-core/<data_source>/acc/mean@n``, pass@k."""
-    size = config.data.val_batch_size or len(val_data)
-    batches = []
-    for start in range(0, len(val_data), size):
-        prompts = val_data.collate(list(range(start, min(start + size, len(val_data)))), uid_prefix="val-")
-        prompts.meta_info.update(validate=True, global_step=0)
-        batch = workers.role("actor_rollout_ref").generate_sequences(prompts, timeout_s=config.trainer.worker_timeout_s, stage="validate")
-        batch.tensors["token_level_scores"] = reward_manager(batch).token_level_scores
-        batches.append(batch)
-    batch = Batch.concat(batches)
-    scores = batch.tensors["token_level_scores"].sum(-1).tolist()
-    return validation_metrics(list(batch.non_tensors["data_source"]), list(batch.non_tensors["uid"]), scores,
-                              config.actor_rollout_ref.rollout.val_kwargs.n)
 
 
 def samples_table(batch: Batch, tokenizer: Any, count: int) -> dict[str, list]:
@@ -193,38 +115,39 @@ def console_line(step: int, total: int, metrics: dict[str, float], seconds: floa
 # ---------------------------------------------------------------------------------------------- the flow
 def run_training(config: DictConfig) -> dict[str, Any]:
     """Everything the flow does after composing the config (callable without Prefect's decorator for tests)."""
-    # --- set-up: assets, data, reward, checkpoints, tracking, Ray, workers
+    # --- set-up that cannot leave anything behind: assets, data, reward (a bad input fails here, before any run exists)
     apply_embedded_defaults(config)
-    total = config.trainer.total_training_steps
-    config.actor_rollout_ref.actor.optim.total_training_steps = total
-    config.critic.optim.total_training_steps = total
-    model_config = config.actor_rollout_ref.model
-    tokenizer = load_tokenizer(model_config.tokenizer_path or model_config.path, model_config.trust_remote_code)
+    tokenizer = load_policy_tokenizer(config.actor_rollout_ref.model)
     train_data = RLDataset(config.data.train_files, tokenizer, config.data, config.data.train_max_samples)
     val_data = RLDataset(config.data.val_files, tokenizer, config.data, config.data.val_max_samples)
-    reward_manager = build_reward_manager(config, tokenizer, load_custom_reward_function(config.custom_reward_function.path, config.custom_reward_function.name))
-    checkpoints = StepCheckpoints(config.trainer.default_local_dir, config.trainer.max_ckpt_to_keep)
-    folder = resume_folder(config, checkpoints)
-    tracker = RunTracker(config, run_id=checkpoints.trainer_state(folder)["mlflow_run_id"] if folder else None)
-    connect(config.trainer.ray.address, num_cpus=config.trainer.ray.num_cpus)
-    namespace = f"ppoflow-{runtime.flow_run.id or tracker.run_id}"
-    timeout = config.trainer.worker_timeout_s
+    reward_manager = build_reward_manager(config, tokenizer, load_custom_reward_function(**config.custom_reward_function))
 
     def fresh_progress() -> Progress:
         return Progress(0, ResumableSampler(len(train_data), config.data.train_batch_size, config.data.shuffle, config.data.seed),
                         get_kl_controller(config.algorithm.kl_ctrl))
 
-    workers = reattach_workers(config, namespace) if folder else None
-    if workers is None:
-        workers = build_workers(config, namespace)
     progress = fresh_progress()
-    if folder:
-        restore(workers, folder, progress, checkpoints, timeout)
-        print(f"resumed from {folder} (step {progress.global_step}), MLflow run {tracker.run_id}")
+    total = resolved_total_steps(config, progress.sampler.batches_per_epoch)
+    config.actor_rollout_ref.actor.optim.total_training_steps = total
+    config.critic.optim.total_training_steps = total
+    checkpoints = StepCheckpoints(config.trainer.default_local_dir, config.trainer.max_ckpt_to_keep)
+    folder = resume_folder(config, checkpoints)
+
+    # --- from here on the MLflow run exists: any failure marks it FAILED and frees what this run started
+    tracker = RunTracker(config, run_id=checkpoints.trainer_state(folder)["mlflow_run_id"] if folder else None)
+    timeout = config.trainer.worker_timeout_s
+    run_stage = prefect_stage_runner(config.trainer.stage_retries)
+    workers: WorkerGroup | None = None
     restarts, succeeded = 0, False
     try:
+        connect(config.trainer.ray.address, num_cpus=config.trainer.ray.num_cpus)
+        namespace = f"ppoflow-{runtime.flow_run.id or tracker.run_id}"
+        workers = (reattach_workers(config, namespace) if folder else None) or build_workers(config, namespace)
+        if folder:
+            restore(workers, folder, progress, checkpoints, timeout)
+            print(f"resumed from {folder} (step {progress.global_step}), MLflow run {tracker.run_id}")
         if config.trainer.val_before_train and progress.global_step == 0 and config.trainer.test_freq > 0:
-            start_metrics = validate(config, workers, val_data, reward_manager)
+            start_metrics = run_validation(config, step_workers(workers, timeout), val_data, reward_manager)
             tracker.log_step(0, start_metrics)
             print(console_line(0, total, start_metrics, 0.0))
         val_metrics: dict[str, float] = {}
@@ -233,9 +156,10 @@ def run_training(config: DictConfig) -> dict[str, Any]:
             step = progress.global_step + 1
             started = time.perf_counter()
             try:
-                batch, metrics = run_step(config, workers, train_data, reward_manager, progress, step)
+                batch, metrics = run_ppo_step(config, step_workers(workers, timeout), train_data, progress.sampler, reward_manager,
+                                              progress.kl_controller, step, run_stage)
                 if every(step, config.trainer.test_freq, total):
-                    val_metrics = validate(config, workers, val_data, reward_manager)
+                    val_metrics = run_validation(config, step_workers(workers, timeout), val_data, reward_manager)
                     metrics.update(val_metrics)
                 seconds = time.perf_counter() - started
                 tokens = float(batch.tensors["attention_mask"].sum())
@@ -247,7 +171,7 @@ def run_training(config: DictConfig) -> dict[str, Any]:
                 if every(step, config.trainer.save_freq, total):
                     save_checkpoint(workers, checkpoints, progress, tracker, timeout)
                 print(console_line(step, total, metrics, seconds))
-            except WorkerDiedError as error:
+            except (WorkerDiedError, WorkerTimeoutError) as error:  # the group is unusable: rebuild it
                 if restarts >= config.trainer.max_worker_restarts:
                     raise
                 restarts += 1
@@ -261,23 +185,29 @@ def run_training(config: DictConfig) -> dict[str, Any]:
                     restore(workers, checkpoints.step_dir(latest), progress, checkpoints, timeout)
 
         # --- the final policy: the last checkpoint's actor as an HF-format MLflow model
-        latest = checkpoints.latest_step()
-        if latest != total:
+        if checkpoints.latest_step() != total:
             save_checkpoint(workers, checkpoints, progress, tracker, timeout)
         final_dir = checkpoints.step_dir(total)
         tracker.log_final_model(final_dir / "actor", config.trainer.register_model_name)
         tracker.finish()
         succeeded = True
-        result = {"tracking_uri": tracking_uri(config), "run_id": tracker.run_id, "step": progress.global_step,
-                  "checkpoint_dir": str(final_dir.resolve()), "val_metrics": val_metrics}
-        return result
+        return {"tracking_uri": tracking_uri(config), "run_id": tracker.run_id, "step": progress.global_step,
+                "checkpoint_dir": str(final_dir.resolve()), "val_metrics": val_metrics}
+    except BaseException as error:
+        tracker.set_tags({"ppoflow.error": f"{type(error).__name__}: {error}"[:5000]})
+        raise
     finally:
-        context = FlowRunContext.get()
-        retries_left = context is not None and (runtime.flow_run.run_count or 1) <= (context.flow.retries or 0)
-        if succeeded or not retries_left:
-            workers.kill()
         if not succeeded:
             tracker.finish("FAILED")
+        if workers is not None and (succeeded or not keeps_workers_on_failure(config)):
+            workers.kill()
+
+
+def keeps_workers_on_failure(config: DictConfig) -> bool:
+    """``trainer.keep_workers``, or a Prefect retry of this flow run is still to come (it reattaches to them)."""
+    context = FlowRunContext.get()
+    retry_pending = context is not None and (runtime.flow_run.run_count or 1) <= (context.flow.retries or 0)
+    return bool(config.trainer.keep_workers) or retry_pending
 
 
 @flow(name="ppoflow-train")
@@ -285,7 +215,7 @@ def train(overrides: list[str] | None = None) -> dict[str, Any]:
     """Train with the Hydra ``overrides`` (e.g. ``["algorithm.adv_estimator=gae"]``); returns the run summary."""
     config = compose_config(overrides)  # a wrong key or type fails here, before any worker starts
     print(f"ppoflow: {config.algorithm.adv_estimator} on {config.actor_rollout_ref.model.path or 'the embedded tiny model'}, "
-          f"{config.trainer.total_training_steps} steps")
+          f"{config.trainer.total_training_steps or 'all'} steps (at most {config.trainer.total_epochs} epochs)")
     return run_training(config)
 
 

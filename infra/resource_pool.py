@@ -71,6 +71,11 @@ class ResourcePool:
         self.placement_groups = []
 
 
+def smallest_node_cpus() -> float:
+    """The CPU count of the smallest live node of the connected cluster."""
+    return min(node["Resources"].get("CPU", 1) for node in ray.nodes() if node.get("Alive"))
+
+
 def remove_placement_groups(name_prefix: str) -> int:
     """Remove every live placement group whose name starts with ``name_prefix`` (cleanup after a reattach)."""
     removed = 0

@@ -34,7 +34,9 @@ class WorkerDiedError(RuntimeError):
 
 
 class WorkerTimeoutError(TimeoutError):
-    """Workers did not answer a call within its timeout."""
+    """Workers did not answer a call within its timeout. The call goes on running: Ray cannot stop a running call of
+    a plain actor, nor one queued behind it (measured on Ray 2.60: a cancelled queued call still runs), so the
+    group is unusable until it is rebuilt; a retry on the same workers would queue behind the stale call."""
 
 
 class WorkerGroup:
@@ -58,26 +60,30 @@ class WorkerGroup:
         remote_class = ray.remote(fused_worker_class(role_specs))
         world, actors, names = pool.world_size, [], []
         share = 1.0 / pool.max_colocate_count
-        for rank, (group, bundle_index, local_rank) in enumerate(pool.slots()):
-            name = f"{prefix}-rank{rank}"
-            env = {**(env_vars or {}), "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local_rank)}
-            options: dict[str, Any] = {
-                "name": name, "namespace": namespace, "lifetime": "detached", "max_restarts": 0,
-                "num_cpus": pool.cpus_per_worker * share, "runtime_env": {"env_vars": env},
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=bundle_index),
-            }
-            if pool.accelerator == "GPU":
-                options["num_gpus"] = share
-            elif pool.accelerator:
-                options["resources"] = {pool.accelerator: share}
-            actors.append(remote_class.options(**options).remote(role_specs))
-            names.append(name)
-        group = cls(actors, names, role_specs, namespace, prefix)
-        if world > 1:
-            master_addr, master_port = group._wait([actors[0].master_address.remote()], "set-up", timeout_s, names[:1])[0]
-            group._wait([a.setup_distributed.remote(master_addr, master_port) for a in actors], "set-up", timeout_s, names)
-        else:
-            group.health(timeout_s)
+        try:
+            for rank, (group, bundle_index, local_rank) in enumerate(pool.slots()):
+                name = f"{prefix}-rank{rank}"
+                env = {**(env_vars or {}), "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local_rank)}
+                options: dict[str, Any] = {
+                    "name": name, "namespace": namespace, "lifetime": "detached", "max_restarts": 0,
+                    "num_cpus": pool.cpus_per_worker * share, "runtime_env": {"env_vars": env},
+                    "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=bundle_index),
+                }
+                if pool.accelerator == "GPU":
+                    options["num_gpus"] = share
+                elif pool.accelerator:
+                    options["resources"] = {pool.accelerator: share}
+                actors.append(remote_class.options(**options).remote(role_specs))
+                names.append(name)
+            group = cls(actors, names, role_specs, namespace, prefix)
+            if world > 1:
+                master_addr, master_port = group._wait([actors[0].master_address.remote()], "set-up", timeout_s, names[:1])[0]
+                group._wait([a.setup_distributed.remote(master_addr, master_port) for a in actors], "set-up", timeout_s, names)
+            else:
+                group.health(timeout_s)
+        except BaseException:  # a half-made group holds resources: free them before reporting
+            cls(actors, names, role_specs, namespace, prefix).kill()
+            raise
         return group
 
     @classmethod
@@ -95,10 +101,11 @@ class WorkerGroup:
         return group
 
     # ------------------------------------------------------------------ calls
-    def role(self, role: str) -> RoleView:
+    def role(self, role: str, timeout_s: float = 600.0) -> RoleView:
+        """The methods of one role; each call waits at most ``timeout_s`` unless the call says otherwise."""
         if role not in self.roles:
             raise KeyError(f"this worker group has roles {self.roles}, not {role!r}")
-        return RoleView(self, role)
+        return RoleView(self, role, timeout_s)
 
     def execute(self, method: str, *args: Any, timeout_s: float = 600.0, stage: str | None = None, **kwargs: Any) -> Any:
         """Call ``method`` (a role-prefixed name) on the ranks according to its dispatch mode."""
@@ -161,15 +168,15 @@ class WorkerGroup:
 class RoleView:
     """``view.method(...)`` = ``group.execute("<role>_method", ...)``: the bare method names of one role."""
 
-    def __init__(self, group: WorkerGroup, role: str):
-        self._group, self._role = group, role
+    def __init__(self, group: WorkerGroup, role: str, timeout_s: float = 600.0):
+        self._group, self._role, self._timeout_s = group, role, timeout_s
 
     def __getattr__(self, method: str) -> Any:
         full_name = f"{self._role}_{method}"
         if not hasattr(self._group.fused_class, full_name):
             raise AttributeError(f"role {self._role!r} has no dispatched method {method!r}")
 
-        def call(*args: Any, timeout_s: float = 600.0, stage: str | None = None, **kwargs: Any) -> Any:
-            return self._group.execute(full_name, *args, timeout_s=timeout_s, stage=stage or method, **kwargs)
+        def call(*args: Any, timeout_s: float | None = None, stage: str | None = None, **kwargs: Any) -> Any:
+            return self._group.execute(full_name, *args, timeout_s=timeout_s or self._timeout_s, stage=stage or method, **kwargs)
 
         return call

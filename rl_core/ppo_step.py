@@ -1,109 +1,260 @@
-"""One PPO step as plain function calls on in-process workers: the seed's stages in order.
+"""One PPO step: the stages in order, and the only implementation of that order.
 
-This is the reference the Prefect flow mirrors stage by stage (one task per stage, on Ray workers); it also
-serves single-process runs, tests and the overhead benchmark. Stage skipping follows verl: the critic runs only
-when the estimator needs values (gae) or ``critic.enable``; the reference policy only with KL in the reward or a
-KL loss.
+The flow (Prefect tasks on a Ray worker group), the tests and the benchmark all run :func:`run_ppo_step`; what
+differs is the *stage runner* and the *workers*:
+
+* ``run_stage(name, fn, *args)`` calls the stage function ``fn`` — :func:`run_directly` calls it, the flow's runner
+  calls it as the Prefect task ``name``;
+* :class:`StepWorkers` holds the role objects the stages call (``actor.update_actor(batch)``...): in-process
+  workers, or handles that dispatch to a Ray worker group.
+
+Every stage function reads its inputs and returns what it produces (new tensors in a Batch, or metrics); it
+never mutates its inputs, so a stage runner that records inputs (Prefect) sees the data dependencies. The step
+merges the outputs into the batch. Stages are skipped by verl's rules: the critic only when the estimator needs
+values (gae) or ``critic.enable``; the reference policy only with KL in the reward or a KL loss; the reward model
+only when enabled; the actor update only after ``trainer.critic_warmup`` steps.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from rl_core.algos.advantage import call_adv_estimator
-from rl_core.algos.config_access import config_get
 from rl_core.algos.kl import apply_kl_penalty
 from rl_core.batch import Batch
-from rl_core.metrics import compute_data_metrics
-from rl_core.reward.manager import RewardResult
+from rl_core.data.dataset import RLDataset
+from rl_core.data.sampler import ResumableSampler
+from rl_core.metrics import compute_data_metrics, validation_metrics
+from rl_core.reward.manager import RewardManager
+
+# the tensors every worker stage reads: only these (plus the stage's own inputs) travel to the workers
+SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+# stage name (the Prefect task) -> its verl timing name (``timing_s/<name>``)
+TIMING_NAMES = {"generate": "gen", "reward": "reward", "old_log_prob": "old_log_prob", "ref_log_prob": "ref", "values": "values",
+                "advantage": "adv", "update_critic": "update_critic", "update_actor": "update_actor"}
+# stages that give the same result when run again (seeded sampling; pure functions of the weights): retry-safe
+IDEMPOTENT_STAGES = ("generate", "old_log_prob", "ref_log_prob", "values")
+
+
+@dataclass
+class StepWorkers:
+    """The role objects a step calls. ``actor`` has generate_sequences / compute_log_prob / compute_ref_log_prob /
+    update_actor; ``critic`` compute_values / update_critic; ``reward_model`` compute_rm_score."""
+
+    actor: Any
+    critic: Any | None = None
+    reward_model: Any | None = None
+    world_size: int = 1
+
+
+def run_directly(name: str, fn: Callable, *args: Any) -> Any:
+    """The plain stage runner: call the stage."""
+    return fn(*args)
 
 
 def use_critic(config: Any) -> bool:
-    enable = config_get(config_get(config, "critic"), "enable")
-    return bool(enable) if enable is not None else config_get(config_get(config, "algorithm"), "adv_estimator") == "gae"
+    enable = config.critic.enable
+    return bool(enable) if enable is not None else config.algorithm.adv_estimator == "gae"
 
 
 def use_reference(config: Any) -> bool:
-    return bool(config_get(config_get(config, "algorithm"), "use_kl_in_reward", False)) or bool(
-        config_get(config_get(config_get(config, "actor_rollout_ref"), "actor"), "use_kl_loss", False))
+    return bool(config.algorithm.use_kl_in_reward) or bool(config.actor_rollout_ref.actor.use_kl_loss)
 
 
-def add_reward(batch: Batch, result: RewardResult) -> None:
-    """Store the reward manager's output in the batch (``token_level_scores`` + per-sample extra info)."""
-    batch.tensors["token_level_scores"] = result.token_level_scores
-    for key, values in result.extra_info.items():
-        batch.non_tensors[key] = values
+def _for_workers(batch: Batch, *inputs: Batch) -> Batch:
+    """The sequence tensors of ``batch`` plus the tensors of ``inputs``, with the batch's meta info (temperature)."""
+    tensors = {key: batch.tensors[key] for key in SEQUENCE_KEYS}
+    for extra in inputs:
+        tensors.update(extra.tensors)
+    return Batch(tensors, meta_info={k: v for k, v in batch.meta_info.items() if k != "metrics"})
 
 
-def compute_advantage(batch: Batch, config: Any, kl_controller: Any) -> dict[str, float]:
-    """KL-in-reward (optional) then the configured estimator; writes token_level_rewards, advantages, returns."""
-    algorithm = config_get(config, "algorithm")
+# ---------------------------------------------------------------------------------------------- the stages
+def generate(workers: StepWorkers, prompts: Batch, baseline_reward: RewardManager | None = None) -> Batch:
+    """Stage 1: ``rollout.n`` sampled responses per prompt. With ``baseline_reward`` (ReMax) also the greedy
+    response's score per prompt, repeated over its samples as ``reward_baselines``."""
+    sequences = workers.actor.generate_sequences(prompts)
+    if baseline_reward is None:
+        return sequences
+    greedy_prompts = Batch(prompts.tensors, prompts.non_tensors, {**prompts.meta_info, "greedy": True})
+    greedy = workers.actor.generate_sequences(greedy_prompts)
+    baseline = reward(workers, baseline_reward, greedy).tensors["token_level_scores"].sum(-1)
+    samples_per_prompt = len(sequences) // len(prompts)
+    sequences.tensors["reward_baselines"] = baseline.repeat_interleave(samples_per_prompt)
+    return sequences
+
+
+def reward(workers: StepWorkers, reward_manager: RewardManager, batch: Batch) -> Batch:
+    """Stage 2: ``token_level_scores`` (the score on each response's last token) and the scorer's per-sample
+    extra values; the reward model's ``rm_scores`` when there is one. Metrics in ``meta_info['metrics']``."""
+    scored = batch
+    if workers.reward_model is not None:
+        rm_scores = workers.reward_model.compute_rm_score(batch)
+        scored = Batch({**batch.tensors, **rm_scores.tensors}, batch.non_tensors, batch.meta_info)
+    result = reward_manager(scored)
+    tensors = {"token_level_scores": result.token_level_scores}
+    if "rm_scores" in scored.tensors:
+        tensors["rm_scores"] = scored.tensors["rm_scores"]
+    return Batch(tensors, result.extra_info, {"metrics": result.metrics})
+
+
+def old_log_prob(workers: StepWorkers, batch: Batch) -> Batch:
+    """Stage 3: ``old_log_probs`` and ``entropys`` of the responses under the current actor."""
+    return workers.actor.compute_log_prob(_for_workers(batch))
+
+
+def ref_log_prob(workers: StepWorkers, batch: Batch) -> Batch:
+    """Stage 4: ``ref_log_prob`` under the reference policy."""
+    return workers.actor.compute_ref_log_prob(_for_workers(batch))
+
+
+def values(workers: StepWorkers, batch: Batch) -> Batch:
+    """Stage 5: the critic's ``values``."""
+    return workers.critic.compute_values(_for_workers(batch))
+
+
+def advantage(config: Any, kl_controller: Any, batch: Batch, old: Batch, ref: Batch | None, value: Batch | None) -> Batch:
+    """Stage 6 (cheap maths, in the controller): KL in the reward (optional), then the configured estimator ->
+    ``token_level_rewards``, ``advantages``, ``returns``; the KL metrics in ``meta_info['metrics']``."""
+    algorithm = config.algorithm
+    scores, response_mask = batch.tensors["token_level_scores"], batch.tensors["response_mask"]
     metrics: dict[str, float] = {}
-    if config_get(algorithm, "use_kl_in_reward", False):
-        rewards, metrics = apply_kl_penalty(batch.tensors["token_level_scores"], batch.tensors["old_log_probs"], batch.tensors["ref_log_prob"],
-                                            batch.tensors["response_mask"], kl_controller, config_get(algorithm, "kl_penalty", "kl"))
+    if algorithm.use_kl_in_reward:
+        rewards, metrics = apply_kl_penalty(scores, old.tensors["old_log_probs"], ref.tensors["ref_log_prob"], response_mask,
+                                            kl_controller, algorithm.kl_penalty)
     else:
-        rewards = batch.tensors["token_level_scores"]
-    batch.tensors["token_level_rewards"] = rewards
-    available = {"token_level_rewards": rewards, "response_mask": batch.tensors["response_mask"].float(), "config": algorithm,
-                 "index": batch.non_tensors["uid"], "gamma": config_get(algorithm, "gamma", 1.0), "lam": config_get(algorithm, "lam", 1.0),
-                 "norm_adv_by_std_in_grpo": config_get(algorithm, "norm_adv_by_std_in_grpo", True)}
-    for optional in ("values", "reward_baselines"):
-        if optional in batch.tensors:
-            available[optional] = batch.tensors[optional]
-    advantages, returns = call_adv_estimator(config_get(algorithm, "adv_estimator"), **available)
-    batch.tensors["advantages"], batch.tensors["returns"] = advantages, returns
-    return metrics
+        rewards = scores
+    inputs = {"token_level_rewards": rewards, "response_mask": response_mask.float(), "config": algorithm,
+              "index": batch.non_tensors["uid"], "gamma": algorithm.gamma, "lam": algorithm.lam,
+              "norm_adv_by_std_in_grpo": algorithm.norm_adv_by_std_in_grpo}
+    if value is not None:
+        inputs["values"] = value.tensors["values"]
+    if "reward_baselines" in batch.tensors:
+        inputs["reward_baselines"] = batch.tensors["reward_baselines"]
+    advantages, returns = call_adv_estimator(algorithm.adv_estimator, **inputs)
+    return Batch({"token_level_rewards": rewards, "advantages": advantages, "returns": returns}, meta_info={"metrics": metrics})
 
 
-def merge_stage(batch: Batch, output: Batch, metrics: dict[str, float]) -> Batch:
-    """Add a stage's output tensors to the batch and its ``meta_info['metrics']`` to ``metrics``."""
-    metrics.update(output.meta_info.pop("metrics", {}))
-    if output.tensors or output.non_tensors:
-        batch.union(Batch(output.tensors, output.non_tensors))
-    return batch
+def update_critic(workers: StepWorkers, batch: Batch, value: Batch, adv: Batch) -> dict[str, float]:
+    """Stage 7: value-loss updates of the critic; its metrics."""
+    returns = Batch({"returns": adv.tensors["returns"]})
+    return workers.critic.update_critic(_for_workers(batch, value, returns)).meta_info["metrics"]
 
 
-def run_ppo_step(prompts: Batch, actor: Any, critic: Any | None, reward_fn: Callable[[Batch], RewardResult], config: Any,
-                 kl_controller: Any, global_step: int) -> tuple[Batch, dict[str, float]]:
-    """Stages 1-8 on ``prompts``; returns the finished batch and the step's metrics (verl's names)."""
+def update_actor(workers: StepWorkers, batch: Batch, old: Batch, ref: Batch | None, adv: Batch) -> dict[str, float]:
+    """Stage 8: PPO updates of the actor (the rollout shares its weights: no sync needed); its metrics."""
+    inputs = [Batch({"old_log_probs": old.tensors["old_log_probs"]}), Batch({"advantages": adv.tensors["advantages"]})]
+    if ref is not None:
+        inputs.append(Batch({"ref_log_prob": ref.tensors["ref_log_prob"]}))
+    return workers.actor.update_actor(_for_workers(batch, *inputs)).meta_info["metrics"]
+
+
+# ---------------------------------------------------------------------------------------------- one step
+def run_ppo_step(config: Any, workers: StepWorkers, data: RLDataset, sampler: ResumableSampler, reward_manager: RewardManager,
+                 kl_controller: Any, step: int, run_stage: Callable = run_directly) -> tuple[Batch, dict[str, float]]:
+    """Step ``step``: prompts from ``sampler``, stages 1-8; returns (the finished batch, the step's metrics with
+    verl's names, ``timing_s/<stage>`` included)."""
     metrics: dict[str, float] = {}
     timing: dict[str, float] = {}
 
-    def timed(stage: str, fn: Callable[[], Any]) -> Any:
+    def stage(name: str, fn: Callable, *args: Any) -> Any:
         start = time.perf_counter()
-        result = fn()
-        timing[f"timing_s/{stage}"] = time.perf_counter() - start
+        result = run_stage(name, fn, *args)
+        key = f"timing_s/{TIMING_NAMES[name]}"
+        timing[key] = timing.get(key, 0.0) + time.perf_counter() - start
+        if isinstance(result, Batch):
+            metrics.update(result.meta_info.get("metrics", {}))
         return result
 
-    prompts.meta_info["global_step"] = global_step
-    batch = timed("gen", lambda: actor.generate_sequences(prompts))                                  # 1. rollout
-    timed("reward", lambda: add_reward(batch, reward_fn(batch)))                                     # 2. reward
-    merge_stage(batch, timed("old_log_prob", lambda: actor.compute_log_prob(batch)), metrics)         # 3. old log-prob
-    if use_reference(config):
-        merge_stage(batch, timed("ref", lambda: actor.compute_ref_log_prob(batch)), metrics)          # 4. ref log-prob
-    if use_critic(config):
-        merge_stage(batch, timed("values", lambda: critic.compute_values(batch)), metrics)            # 5. values
-    metrics.update(timed("adv", lambda: compute_advantage(batch, config, kl_controller)))            # 6. advantage
-    if use_critic(config):
-        merge_stage(batch, timed("update_critic", lambda: critic.update_critic(batch)), metrics)      # 7. critic update
-    if global_step >= int(config_get(config_get(config, "trainer"), "critic_warmup", 0)):
-        merge_stage(batch, timed("update_actor", lambda: actor.update_actor(batch)), metrics)         # 8. actor update
+    # Stages 1-2: rollout and reward, repeated (DAPO dynamic sampling) until enough groups have differing scores
+    filter_groups = config.algorithm.filter_groups
+    wanted = config.data.train_batch_size * config.actor_rollout_ref.rollout.n
+    baseline_reward = reward_manager if config.algorithm.adv_estimator == "remax" else None
+    kept: list[Batch] = []
+    generation_batches = 0
+    while True:
+        prompts = data.collate(sampler.next_batch(), uid_prefix=f"{step}-{generation_batches}-")
+        prompts.meta_info["global_step"] = step * 1000 + generation_batches  # seeds sampling: a re-run step draws the same
+        generation_batches += 1
+        batch = stage("generate", generate, workers, prompts, baseline_reward)
+        batch.union(_without_metrics(stage("reward", reward, workers, reward_manager, batch)))
+        if not filter_groups.enable:
+            kept = [batch]
+            break
+        kept.append(batch[informative_groups(batch, filter_groups.metric)])
+        if sum(len(b) for b in kept) >= wanted:
+            break
+        if 0 < filter_groups.max_num_gen_batches <= generation_batches:
+            raise RuntimeError(f"dynamic sampling found fewer than {config.data.train_batch_size} prompts whose responses differ in "
+                               f"{filter_groups.metric!r} in {generation_batches} generation batches; raise "
+                               f"algorithm.filter_groups.max_num_gen_batches or check the data (are all responses scored alike?)")
+    if filter_groups.enable:
+        batch = Batch.concat(kept)[:wanted]
+        metrics["train/num_gen_batches"] = float(generation_batches)
+    if config.trainer.balance_batch and workers.world_size > 1:
+        batch = batch[balanced_order(batch.tensors["attention_mask"].sum(-1).tolist(), workers.world_size)]
+
+    # Stages 3-5: log-probs of the current and the reference policy, values
+    old = stage("old_log_prob", old_log_prob, workers, batch)
+    ref = stage("ref_log_prob", ref_log_prob, workers, batch) if use_reference(config) else None
+    value = stage("values", values, workers, batch) if use_critic(config) else None
+
+    # Stage 6: advantage
+    adv = stage("advantage", advantage, config, kl_controller, batch, old, ref, value)
+
+    # Stages 7-8: critic and actor updates
+    if value is not None:
+        metrics.update(stage("update_critic", update_critic, workers, batch, value, adv))
+    if step >= config.trainer.critic_warmup:  # verl's rule: steps are counted from 1
+        metrics.update(stage("update_actor", update_actor, workers, batch, old, ref, adv))
+
+    for output in (old, ref, value, adv):
+        if output is not None:
+            batch.union(_without_metrics(output))
     return batch, {**metrics, **compute_data_metrics(batch), **timing}
 
 
-def informative_groups(batch: Batch, metric: str = "seq_reward") -> list[int]:
-    """Rows of the groups (same uid) whose sequence scores are not all equal: DAPO dynamic sampling keeps only
-    those, since a group with one score gives every sample a zero advantage. ``metric``: ``seq_reward`` (the
-    score) or ``seq_final_reward`` (after KL in the reward)."""
-    key = "token_level_rewards" if metric == "seq_final_reward" and "token_level_rewards" in batch else "token_level_scores"
-    scores = batch.tensors[key].sum(-1).tolist()
+def _without_metrics(output: Batch) -> Batch:
+    return Batch(output.tensors, output.non_tensors)
+
+
+def run_validation(config: Any, workers: StepWorkers, data: RLDataset, reward_manager: RewardManager,
+                   run_stage: Callable = run_directly) -> dict[str, float]:
+    """Rollouts with ``val_kwargs`` (greedy by default) on the validation set, scored like training (reward model
+    included): ``val-core/<data_source>/acc/mean@n`` and pass@k."""
+    size = config.data.val_batch_size or len(data)
+    scored = []
+    for start in range(0, len(data), size):
+        prompts = data.collate(list(range(start, min(start + size, len(data)))), uid_prefix="val-")
+        prompts.meta_info.update(validate=True, global_step=0)
+        batch = run_stage("generate", generate, workers, prompts)
+        scored.append(batch.union(_without_metrics(run_stage("reward", reward, workers, reward_manager, batch))))
+    batch = Batch.concat(scored)
+    scores = batch.tensors["token_level_scores"].sum(-1).tolist()
+    return validation_metrics(list(batch.non_tensors["data_source"]), list(batch.non_tensors["uid"]), scores,
+                              config.actor_rollout_ref.rollout.val_kwargs.n)
+
+
+# ---------------------------------------------------------------------------------------------- batch shaping
+def informative_groups(batch: Batch, metric: str) -> list[int]:
+    """Rows of the groups (same uid) whose ``metric`` is not the same for every sample: DAPO dynamic sampling keeps
+    only those, since a group with one value gives every sample a zero advantage. ``metric`` as in verl:
+    ``seq_reward`` (the summed score), ``seq_final_reward`` (the summed reward; the same here, since the KL penalty
+    is never in the reward when filtering, see check_config), or a per-sample value the scorer returned (``acc``)."""
+    if metric in ("seq_reward", "seq_final_reward"):
+        values = batch.tensors["token_level_scores"].sum(-1).tolist()
+    elif metric in batch.non_tensors:
+        values = list(batch.non_tensors[metric])
+    else:
+        raise KeyError(f"algorithm.filter_groups.metric={metric!r}: the reward function reported no per-sample {metric!r}; use "
+                       f"seq_reward or seq_final_reward, or return {{'score': ..., '{metric}': ...}} from compute_score")
     by_uid: dict[str, list[int]] = {}
     for row, uid in enumerate(batch.non_tensors["uid"]):
         by_uid.setdefault(uid, []).append(row)
-    return [row for rows in by_uid.values() if len({scores[r] for r in rows}) > 1 for row in rows]
+    return [row for rows in by_uid.values() if len({values[r] for r in rows}) > 1 for row in rows]
 
 
 def balanced_order(lengths: list[int], world_size: int) -> list[int]:
@@ -118,3 +269,12 @@ def balanced_order(lengths: list[int], world_size: int) -> list[int]:
         shards[target].append(row)
         totals[target] += lengths[row]
     return [row for shard in shards for row in sorted(shard)]
+
+
+def resolved_total_steps(config: Any, batches_per_epoch: int) -> int:
+    """The step count training runs: ``trainer.total_training_steps`` or ``trainer.total_epochs`` passes over the
+    data, whichever ends first (as verl; null steps = epochs only)."""
+    by_epochs = config.trainer.total_epochs * batches_per_epoch
+    steps = config.trainer.total_training_steps
+    return by_epochs if steps is None else min(steps, by_epochs)
+

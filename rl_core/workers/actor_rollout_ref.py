@@ -20,12 +20,11 @@ from typing import Any
 import torch
 
 from rl_core.algos.aggregate import agg_loss
-from rl_core.algos.config_access import config_get
 from rl_core.algos.kl import kl_penalty
 from rl_core.algos.masked import masked_mean
 from rl_core.algos.policy_loss import get_policy_loss_fn
 from rl_core.batch import Batch
-from rl_core.checkpoint import load_trainable, rng_state, save_trainable, set_rng_state
+from rl_core.checkpoint import rng_state, set_rng_state
 from rl_core.models.loading import load_policy_model
 from rl_core.models.logprob import response_log_probs
 from rl_core.models.lora import adapter_disabled, apply_lora, uses_lora
@@ -33,6 +32,7 @@ from rl_core.models.optim import build_lr_scheduler, build_optimizer
 from rl_core.rollout import build_rollout_engine
 from rl_core.workers.dispatch import DP_COMPUTE, ONE_TO_ALL, dispatch
 from rl_core.workers.fsdp import full_parameters, optimizer_state_on_device, shard_module
+from rl_core.workers.trainable_state import load_trainable, save_trainable
 from rl_core.workers.train_loop import local_mini_batch_size, run_updates
 
 ROLES = ("actor", "rollout", "ref")
@@ -50,7 +50,7 @@ class LossConfig:
         return getattr(self._actor_config, name)
 
     def get(self, name: str, default: Any = None) -> Any:
-        return config_get(self._actor_config, name, default)
+        return getattr(self._actor_config, name, default)
 
 
 class ActorRolloutRefWorker:
@@ -60,9 +60,9 @@ class ActorRolloutRefWorker:
             raise ValueError(f"role={role!r}: combine {ROLES} with '_' (e.g. actor_rollout_ref)")
         self.config = config
         self.is_actor, self.is_rollout, self.is_ref = ("actor" in parts), ("rollout" in parts), ("ref" in parts)
-        self.model_config = config_get(config, "model")
-        self.actor_config = config_get(config, "actor")
-        self.rollout_config = config_get(config, "rollout")
+        self.model_config = config.model
+        self.actor_config = config.actor
+        self.rollout_config = config.rollout
         self.module: torch.nn.Module | None = None
         self.ref_module: torch.nn.Module | None = None
         self.steps_trained = 0
@@ -73,12 +73,12 @@ class ActorRolloutRefWorker:
         """Load the policy (+LoRA) with its optimizer, the reference policy and the rollout engine, as the role needs.
 
         With a world size > 1 the models are sharded with FSDP2 (each rank holds a slice of the weights)."""
-        fsdp_config = config_get(self.actor_config, "fsdp_config")
+        fsdp_config = self.actor_config.fsdp_config
         if self.is_actor or self.is_rollout:
             model, self.tokenizer = load_policy_model(self.model_config)
             self.module = shard_module(apply_lora(model, self.model_config), fsdp_config)
         if self.is_actor:
-            optim_config = config_get(self.actor_config, "optim")
+            optim_config = self.actor_config.optim
             self.optimizer = build_optimizer(self.module.parameters(), optim_config)
             self.lr_scheduler = build_lr_scheduler(self.optimizer, optim_config)
         if self.is_ref:
@@ -88,7 +88,7 @@ class ActorRolloutRefWorker:
                 self.ref_module, self.tokenizer = load_policy_model(self.model_config)
                 self.ref_module = shard_module(self.ref_module.requires_grad_(False).eval(), fsdp_config)
         if self.is_rollout:
-            self.rollout = build_rollout_engine(config_get(self.rollout_config, "name", "hf"), model=self.module,
+            self.rollout = build_rollout_engine(self.rollout_config.name, model=self.module,
                                                 tokenizer=self.tokenizer, rollout_config=self.rollout_config)
 
     # ------------------------------------------------------------------ stages
@@ -104,7 +104,7 @@ class ActorRolloutRefWorker:
     def compute_log_prob(self, batch: Batch) -> Batch:
         """old_log_probs and entropys of the responses under the current actor."""
         self._require(self.is_actor, "compute_log_prob", "actor")
-        micro = int(config_get(self.rollout_config, "log_prob_micro_batch_size_per_gpu", 64))
+        micro = int(self.rollout_config.log_prob_micro_batch_size_per_gpu)
         log_probs, entropy = self._log_probs(self.module, batch, micro, calculate_entropy=True)
         out = Batch({"old_log_probs": log_probs, "entropys": entropy}, meta_info={"temperature": batch.meta_info.get("temperature", 1.0)})
         out.meta_info["metrics"] = {"actor/entropy": float(masked_mean(entropy, batch.tensors["response_mask"]))}
@@ -114,7 +114,7 @@ class ActorRolloutRefWorker:
     @torch.no_grad()
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         self._require(self.is_ref, "compute_ref_log_prob", "ref")
-        micro = int(config_get(config_get(self.config, "ref"), "log_prob_micro_batch_size_per_gpu", 64))
+        micro = int(self.config.ref.log_prob_micro_batch_size_per_gpu)
         with adapter_disabled(self.ref_module) if self.ref_module is self.module else contextlib.nullcontext():
             log_probs, _ = self._log_probs(self.ref_module, batch, micro, calculate_entropy=False)
         return Batch({"ref_log_prob": log_probs})
@@ -125,11 +125,11 @@ class ActorRolloutRefWorker:
         with ``use_kl_loss``); then one LR-scheduler step."""
         self._require(self.is_actor, "update_actor", "actor")
         actor = self.actor_config
-        n = int(config_get(self.rollout_config, "n", 1))
-        loss_fn = get_policy_loss_fn(config_get(config_get(actor, "policy_loss"), "loss_mode", "vanilla"))
-        loss_agg_mode = config_get(actor, "loss_agg_mode", "token-mean")
-        entropy_coeff = float(config_get(actor, "entropy_coeff", 0.0))
-        use_kl_loss = bool(config_get(actor, "use_kl_loss", False))
+        n = int(self.rollout_config.n)
+        loss_fn = get_policy_loss_fn(actor.policy_loss.loss_mode)
+        loss_agg_mode = actor.loss_agg_mode
+        entropy_coeff = float(actor.entropy_coeff)
+        use_kl_loss = bool(actor.use_kl_loss)
         temperature = batch.meta_info.get("temperature", 1.0)
 
         def micro_loss(micro: Batch, info: dict[str, float]) -> tuple[torch.Tensor, dict[str, float]]:
@@ -144,22 +144,22 @@ class ActorRolloutRefWorker:
                 loss = loss - entropy_coeff * entropy_loss
                 metrics["actor/entropy_loss"] = entropy_loss.item()
             if use_kl_loss:
-                kld = kl_penalty(log_prob, micro.tensors["ref_log_prob"], config_get(actor, "kl_loss_type", "low_var_kl"))
+                kld = kl_penalty(log_prob, micro.tensors["ref_log_prob"], actor.kl_loss_type)
                 kl_loss = agg_loss(kld, mask, loss_agg_mode, **info)
-                loss = loss + float(config_get(actor, "kl_loss_coef", 0.001)) * kl_loss
+                loss = loss + float(actor.kl_loss_coef) * kl_loss
                 metrics["actor/kl_loss"] = kl_loss.item()
             return loss, metrics
 
-        with optimizer_state_on_device(self.optimizer, bool(config_get(config_get(actor, "fsdp_config"), "optimizer_offload", False))):
+        with optimizer_state_on_device(self.optimizer, bool(actor.fsdp_config.optimizer_offload)):
             metrics = run_updates(
                 "actor", self.module, self.optimizer, batch,
-                mini_batch_size=local_mini_batch_size(int(config_get(actor, "ppo_mini_batch_size", len(batch))) * n, "actor_rollout_ref.actor"),
-                micro_batch_size=int(config_get(actor, "ppo_micro_batch_size_per_gpu", 8)),
-                epochs=int(config_get(actor, "ppo_epochs", 1)), shuffle=bool(config_get(actor, "shuffle", False)),
-                seed=self.steps_trained, grad_clip=float(config_get(actor, "grad_clip", 1.0)), micro_loss=micro_loss,
+                mini_batch_size=local_mini_batch_size(int(actor.ppo_mini_batch_size) * n),
+                micro_batch_size=int(actor.ppo_micro_batch_size_per_gpu),
+                epochs=int(actor.ppo_epochs), shuffle=bool(actor.shuffle),
+                seed=self.steps_trained, grad_clip=float(actor.grad_clip), micro_loss=micro_loss,
             )
         if use_kl_loss:
-            metrics["actor/kl_coef"] = float(config_get(actor, "kl_loss_coef", 0.001))
+            metrics["actor/kl_coef"] = float(actor.kl_loss_coef)
         self.lr_scheduler.step()
         self.steps_trained += 1
         return Batch(meta_info={"metrics": metrics})
@@ -183,8 +183,8 @@ class ActorRolloutRefWorker:
         return response_log_probs(
             module, micro.tensors["input_ids"], micro.tensors["attention_mask"], micro.tensors["position_ids"],
             micro.tensors["responses"].shape[-1], temperature=temperature, calculate_entropy=calculate_entropy,
-            remove_padding=bool(config_get(self.model_config, "use_remove_padding", True)),
-            entropy_chunk_size=int(config_get(self.actor_config, "entropy_from_logits_chunk_size", 2048)),
+            remove_padding=bool(self.model_config.use_remove_padding),
+            entropy_chunk_size=int(self.actor_config.entropy_from_logits_chunk_size),
         )
 
     def _log_probs(self, module: torch.nn.Module, batch: Batch, micro_batch_size: int, calculate_entropy: bool):

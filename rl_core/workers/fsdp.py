@@ -23,7 +23,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 
-from rl_core.algos.config_access import config_get
 from rl_core.workers.data_parallel import world_size
 
 
@@ -54,7 +53,7 @@ def shard_module(module: torch.nn.Module, fsdp_config: Any = None) -> torch.nn.M
     """``fully_shard`` the blocks and the root when the world size is > 1; the module itself otherwise."""
     if world_size() <= 1:
         return module
-    kwargs = {"offload_policy": CPUOffloadPolicy()} if config_get(fsdp_config, "param_offload", False) else {}
+    kwargs = {"offload_policy": CPUOffloadPolicy()} if fsdp_config.param_offload else {}
     for block in _blocks(module):
         fully_shard(block, **kwargs)
     fully_shard(module, **kwargs)

@@ -13,7 +13,6 @@ from typing import Any
 import torch
 from transformers import AutoModelForSequenceClassification
 
-from rl_core.algos.config_access import config_get
 from rl_core.batch import Batch
 from rl_core.models.loading import load_hf_config, load_tokenizer, local_model_path, torch_dtype
 from rl_core.workers.dispatch import DP_COMPUTE, ONE_TO_ALL, dispatch
@@ -22,21 +21,21 @@ from rl_core.workers.dispatch import DP_COMPUTE, ONE_TO_ALL, dispatch
 class RewardModelWorker:
     def __init__(self, config: Any):
         self.config = config
-        self.model_config = config_get(config, "model")
+        self.model_config = config.model
 
     @dispatch(ONE_TO_ALL)
     def init_model(self) -> None:
-        path = config_get(self.model_config, "path")
-        trust_remote_code = bool(config_get(self.model_config, "trust_remote_code", False))
+        path = self.model_config.path
+        trust_remote_code = bool(self.model_config.trust_remote_code)
         hf_config = load_hf_config(path, {}, trust_remote_code)
         hf_config.num_labels = 1
         self.module = AutoModelForSequenceClassification.from_pretrained(
             local_model_path(path, "reward_model.model.path"), config=hf_config,
-            dtype=torch_dtype(config_get(self.model_config, "dtype", "float32")), trust_remote_code=trust_remote_code,
+            dtype=torch_dtype(self.model_config.dtype), trust_remote_code=trust_remote_code,
         ).eval()
         self.tokenizer = load_tokenizer(path, trust_remote_code)
         self.tokenizer.padding_side = "right"
-        input_tokenizer = config_get(self.model_config, "input_tokenizer")
+        input_tokenizer = self.model_config.input_tokenizer
         self.policy_tokenizer = load_tokenizer(input_tokenizer, trust_remote_code) if input_tokenizer else None
 
     def _sequence_scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
@@ -61,7 +60,7 @@ class RewardModelWorker:
     @dispatch(DP_COMPUTE)
     @torch.no_grad()
     def compute_rm_score(self, batch: Batch) -> Batch:
-        micro_batch_size = int(config_get(self.config, "micro_batch_size_per_gpu", 64))
+        micro_batch_size = int(self.config.micro_batch_size_per_gpu)
         scores = []
         for micro in batch.split(micro_batch_size):
             if self.policy_tokenizer is not None:

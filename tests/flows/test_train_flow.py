@@ -1,6 +1,8 @@
 """The training flow end to end: real Prefect API, real Ray workers, MLflow on SQLite, the tiny demo model."""
 
+import itertools
 import json
+import math
 import threading
 import time
 from pathlib import Path
@@ -9,10 +11,11 @@ import pytest
 import ray
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from flows.config import ConfigError
 from flows.train import train
+from rl_core.algos import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 from rl_core.step_checkpoint import StepCheckpoints
 from tests.flows.conftest import metric_history
 
@@ -136,11 +139,63 @@ def test_bad_config_fails_before_any_worker_starts(run_overrides, override, mess
     assert {(a["namespace"], a["name"]) for a in ray.util.list_named_actors(all_namespaces=True)} == before
 
 
-def test_dynamic_sampling_keeps_only_groups_with_differing_scores(run_overrides):
+def test_dynamic_sampling_runs_in_the_flow(run_overrides):
+    """The filtering itself is checked on the finished batch in tests/rl_core/test_workers.py; here: the flow path
+    runs it and reports the generation batches it needed."""
     result = train(run_overrides("algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=8",
                                  "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=-1"))
     history = metric_history(result["tracking_uri"], result["run_id"])
     assert sorted(history["train/num_gen_batches"]) == [1, 2]
-    assert all(values[0] >= 1 for values in history["train/num_gen_batches"].values())
-    # every kept group has both outcomes, so no advantage is zero for a whole group: the mean |score| spread is > 0
-    assert all(0 < values[0] < 1 for values in history["critic/score/mean"].values())
+    # every generation batch draws train_batch_size prompts: the sampler position saved at step 2 says how many were drawn
+    state = StepCheckpoints(Path(result["checkpoint_dir"]).parent).trainer_state(Path(result["checkpoint_dir"]))
+    drawn = state["sampler"]["epoch"] * 16 + state["sampler"]["batch_in_epoch"]  # 64 rows / 4 = 16 batches per epoch
+    assert drawn == sum(values[0] for values in history["train/num_gen_batches"].values())
+
+
+POLICY_LOSS_FOR = dict(itertools.zip_longest(sorted(ADVANTAGE_ESTIMATORS), sorted(POLICY_LOSSES), fillvalue="vanilla"))
+
+
+@pytest.mark.parametrize("estimator", sorted(ADVANTAGE_ESTIMATORS))
+def test_every_estimator_and_policy_loss_trains_two_steps(run_overrides, estimator):
+    loss_mode = POLICY_LOSS_FOR[estimator]
+    result = train(run_overrides(f"algorithm.adv_estimator={estimator}", f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}",
+                                 "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=-1"))
+    history = metric_history(result["tracking_uri"], result["run_id"])
+    assert sorted(history["actor/pg_loss"]) == [1, 2]
+    assert all(math.isfinite(v[0]) for v in history["actor/pg_loss"].values())
+    params = MlflowClient(result["tracking_uri"]).get_run(result["run_id"]).data.params
+    assert (params["algorithm.adv_estimator"], params["actor_rollout_ref.actor.policy_loss.loss_mode"]) == (estimator, loss_mode)
+    assert ("critic/vf_loss" in history) == (estimator == "gae")
+
+
+def test_reward_model_lora_critic_warmup_and_resume_from_a_path(run_overrides, tmp_path, tiny_model_path):
+    rm_path = tmp_path / "rm"
+    AutoModelForSequenceClassification.from_pretrained(tiny_model_path, num_labels=1).save_pretrained(rm_path)
+    AutoTokenizer.from_pretrained(tiny_model_path).save_pretrained(rm_path)
+    settings = (f"actor_rollout_ref.model.path={tiny_model_path}", "reward_model.enable=true", f"reward_model.model.path={rm_path}",
+                "actor_rollout_ref.model.lora_rank=4", "algorithm.adv_estimator=gae", "trainer.critic_warmup=2",
+                "trainer.val_before_train=false", "trainer.test_freq=2")
+    first = train(run_overrides("trainer.total_training_steps=2", *settings))
+    history = metric_history(first["tracking_uri"], first["run_id"])
+    assert sorted(history["critic/vf_loss"]) == [1, 2] and sorted(history["actor/pg_loss"]) == [2]  # step 1: critic only
+    assert sorted(history["val-core/ppoflow/addition/acc/mean_at_1"]) == [2]
+    # the scores are the reward model's (not the 0/1 rule scores of the addition task)
+    assert any(v[0] not in (0.0, 1.0) for v in history["critic/score/mean"].values())
+    assert (Path(first["checkpoint_dir"]) / "actor" / "adapter_model.safetensors").exists()
+    step_one = Path(first["checkpoint_dir"]).parent / "global_step_1"
+    second = train(run_overrides("trainer.total_training_steps=3", "trainer.resume_mode=resume_path", f"trainer.resume_from_path={step_one}", *settings))
+    assert second["run_id"] == first["run_id"] and second["step"] == 3
+    history = metric_history(second["tracking_uri"], second["run_id"])
+    assert sorted(history["actor/pg_loss"]) == [2, 3] and all(len(v) == 1 for v in history["actor/pg_loss"].values())
+
+
+def test_a_failure_while_setting_up_marks_the_run_failed_and_frees_the_workers(run_overrides, tmp_path):
+    """The workers start, then loading the model fails on them: nothing of this run may stay RUNNING or alive."""
+    with pytest.raises(Exception, match="lora_adapter_path|no-such-adapter"):
+        train(run_overrides("actor_rollout_ref.model.lora_adapter_path=/no-such-adapter"))
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("ppoflow").experiment_id])
+    assert run.info.status == "FAILED" and "no-such-adapter" in run.data.tags["ppoflow.error"]
+    assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("workers-")]
+    live_groups = [g for g in ray.util.placement_group_table().values() if g["name"].startswith("workers-") and g["state"] != "REMOVED"]
+    assert live_groups == []

@@ -34,7 +34,16 @@ def test_informative_groups_drop_groups_with_one_score():
     scores = torch.zeros(6, 3)
     scores[0, 1], scores[4, 2] = 1.0, 1.0  # group u0 (rows 0,1) mixed; u1 (2,3) all 0; u2 (4,5) mixed
     batch = Batch({"token_level_scores": scores}, {"uid": ["u0", "u0", "u1", "u1", "u2", "u2"]})
-    assert informative_groups(batch) == [0, 1, 4, 5]
+    assert informative_groups(batch, "seq_reward") == [0, 1, 4, 5]
+    assert informative_groups(batch, "seq_final_reward") == [0, 1, 4, 5]
+
+
+def test_informative_groups_by_a_value_the_scorer_reported():
+    scores = torch.zeros(4, 2)  # all scores equal: only the scorer's own 'acc' tells the samples apart
+    batch = Batch({"token_level_scores": scores}, {"uid": ["u0", "u0", "u1", "u1"], "acc": [True, False, True, True]})
+    assert informative_groups(batch, "acc") == [0, 1]
+    with pytest.raises(KeyError, match="reported no per-sample 'pred'"):
+        informative_groups(batch, "pred")
 
 
 def test_balanced_order_gives_equal_sized_shards_with_similar_token_counts():

@@ -9,8 +9,10 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from rl_core.algos.kl import get_kl_controller
 from rl_core.batch import Batch
-from rl_core.ppo_step import run_ppo_step, use_critic, use_reference
-from rl_core.reward.manager import build_reward_manager
+from rl_core.models.loading import load_tokenizer
+from rl_core.data.sampler import ResumableSampler
+from rl_core.ppo_step import StepWorkers, run_ppo_step, run_validation, use_critic, use_reference
+from rl_core.reward.manager import RewardManager, build_reward_manager
 from rl_core.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
 from rl_core.workers.train_loop import NonFiniteError
 from tests.rl_core.helpers import addition_dataset
@@ -37,21 +39,29 @@ def assert_finished_batch(batch, n_samples, response_length, masked_keys=("old_l
     assert (batch.tensors["old_log_probs"][mask.bool()] <= 0).all()
 
 
+def step_inputs(tmp_path, actor, config, count=8):
+    data = addition_dataset(tmp_path, actor.tokenizer, config.data, count=count)
+    sampler = ResumableSampler(len(data), config.data.train_batch_size, shuffle=False)
+    return data, sampler, build_reward_manager(config, actor.tokenizer), get_kl_controller(config.algorithm.kl_ctrl)
+
+
 def test_one_ppo_step_with_a_critic(tmp_path, config):
     config.algorithm.adv_estimator = "gae"
     config.actor_rollout_ref.actor.use_kl_loss = False
     config.algorithm.use_kl_in_reward = True
     assert use_critic(config) and use_reference(config)
     actor, critic = build_workers(config, with_critic=True)
-    prompts = addition_dataset(tmp_path, actor.tokenizer, config.data, count=8).collate([0, 1, 2, 3], "s1-")
-    reward = build_reward_manager(config, actor.tokenizer)
+    data, sampler, reward, kl = step_inputs(tmp_path, actor, config)
     before = copy.deepcopy(actor.module.state_dict())
-    batch, metrics = run_ppo_step(prompts, actor, critic, reward, config, get_kl_controller(config.algorithm.kl_ctrl), global_step=1)
+    batch, metrics = run_ppo_step(config, StepWorkers(actor, critic), data, sampler, reward, kl, step=1)
     assert_finished_batch(batch, 16, config.data.max_response_length, masked_keys=("old_log_probs", "token_level_rewards"))  # GAE: see advantage.py
     assert batch.tensors["values"].shape == (16, config.data.max_response_length)
-    for name in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm", "actor/entropy", "critic/vf_loss",
-                 "critic/vf_clipfrac", "critic/grad_norm", "critic/score/mean", "response_length/mean", "actor/reward_kl_penalty", "timing_s/gen"):
-        assert name in metrics, name
+    # the step's metrics are the batch's numbers
+    assert metrics["critic/score/mean"] == pytest.approx(batch.tensors["token_level_scores"].sum(-1).mean().item())
+    kl_sum = (batch.tensors["token_level_scores"] - batch.tensors["token_level_rewards"]).sum(-1) / config.algorithm.kl_ctrl.kl_coef
+    assert metrics["actor/reward_kl_penalty"] == pytest.approx(kl_sum.mean().item(), abs=1e-5)
+    assert 0 <= metrics["actor/pg_clipfrac"] <= 1 and metrics["actor/grad_norm"] > 0 and metrics["critic/vf_loss"] > 0
+    assert {"timing_s/gen", "timing_s/values", "timing_s/update_critic", "timing_s/update_actor"} <= set(metrics)
     changed = [k for k, v in actor.module.state_dict().items() if not torch.equal(v, before[k])]
     assert changed, "the actor update changed no weight"
 
@@ -59,16 +69,65 @@ def test_one_ppo_step_with_a_critic(tmp_path, config):
 def test_one_grpo_step(tmp_path, config):
     assert not use_critic(config) and use_reference(config)  # the default: grpo with a KL loss
     actor, _ = build_workers(config, with_critic=False)
-    prompts = addition_dataset(tmp_path, actor.tokenizer, config.data, count=8).collate([4, 5, 6, 7], "s1-")
-    batch, metrics = run_ppo_step(prompts, actor, None, build_reward_manager(config, actor.tokenizer), config,
-                                  get_kl_controller(config.algorithm.kl_ctrl), global_step=1)
+    batch, metrics = run_ppo_step(config, StepWorkers(actor), *step_inputs(tmp_path, actor, config), step=1)
     assert_finished_batch(batch, 16, config.data.max_response_length)
-    assert "values" not in batch and "actor/kl_loss" in metrics and "critic/vf_loss" not in metrics
+    assert "values" not in batch and "critic/vf_loss" not in metrics and "timing_s/values" not in metrics
+    assert metrics["actor/kl_loss"] >= 0  # low_var_kl is non-negative
     # the GRPO advantages of one prompt's group are centred (scores 0/1 within a group)
     for uid in set(batch.non_tensors["uid"]):
         rows = [i for i, u in enumerate(batch.non_tensors["uid"]) if u == uid]
         first_token = batch.tensors["advantages"][rows, 0]
         assert abs(first_token.sum().item()) < 1e-4
+
+
+def test_remax_baseline_is_the_greedy_responses_score(tmp_path, config):
+    config.algorithm.adv_estimator = "remax"
+    actor, _ = build_workers(config, with_critic=False)
+    data, sampler, reward, kl = step_inputs(tmp_path, actor, config)
+    batch, _ = run_ppo_step(config, StepWorkers(actor), data, sampler, reward, kl, step=1)
+    # independently: greedy decoding of the same prompts, scored
+    prompts = data.collate(list(range(config.data.train_batch_size)))
+    prompts.meta_info.update(global_step=1000, greedy=True)
+    greedy = actor.generate_sequences(prompts)
+    expected = reward(greedy).token_level_scores.sum(-1).repeat_interleave(config.actor_rollout_ref.rollout.n)
+    assert torch.equal(batch.tensors["reward_baselines"], expected)
+    scores = batch.tensors["token_level_scores"].sum(-1)
+    first = batch.tensors["response_mask"].argmax(-1) * 0  # ReMax: advantage = score - baseline on every valid token
+    assert torch.allclose(batch.tensors["advantages"][torch.arange(len(batch)), first], scores - expected)
+
+
+def test_dynamic_sampling_keeps_groups_with_differing_scores_only(tmp_path, config):
+    config.algorithm.filter_groups.enable = True
+    config.algorithm.filter_groups.metric = "seq_reward"
+    config.algorithm.filter_groups.max_num_gen_batches = 20
+    config.data.train_batch_size = 2
+    config.actor_rollout_ref.actor.ppo_mini_batch_size = 2
+    actor, _ = build_workers(config, with_critic=False)
+    data, sampler, _, kl = step_inputs(tmp_path, actor, config, count=16)
+    # the untrained tiny model never adds correctly: score the parity of the response's characters instead
+    reward = RewardManager(actor.tokenizer, lambda data_source, solution_str, ground_truth, extra_info: float(sum(map(ord, solution_str)) % 2))
+    batch, metrics = run_ppo_step(config, StepWorkers(actor), data, sampler, reward, kl, step=1)
+    assert len(batch) == 2 * config.actor_rollout_ref.rollout.n
+    scores = batch.tensors["token_level_scores"].sum(-1).tolist()
+    for uid in set(batch.non_tensors["uid"]):
+        assert len({scores[i] for i, u in enumerate(batch.non_tensors["uid"]) if u == uid}) > 1, uid
+    assert metrics["train/num_gen_batches"] == sampler.batch_in_epoch  # one sampler batch per generation batch
+
+
+def test_validation_scores_with_the_reward_model_when_enabled(tmp_path, config, tiny_model_path):
+    rm_path = tiny_reward_model(tmp_path, tiny_model_path)
+    config.reward_model.enable = True
+    config.reward_model.model.path = str(rm_path)
+    actor, _ = build_workers(config, with_critic=False)
+    rm = RewardModelWorker(config.reward_model)
+    rm.init_model()
+    data, _, reward, _ = step_inputs(tmp_path, actor, config, count=4)
+    metrics = run_validation(config, StepWorkers(actor, reward_model=rm), data, reward)
+    prompts = data.collate(list(range(4)))
+    prompts.meta_info.update(validate=True, global_step=0)
+    rm_scores = rm.compute_rm_score(actor.generate_sequences(prompts)).tensors["rm_scores"].sum(-1)
+    assert metrics["val-core/ppoflow/addition/acc/mean@1"] == pytest.approx(rm_scores.mean().item(), abs=1e-6)
+    assert rm_scores.abs().sum() > 0
 
 
 def fixed_batch(actor, tmp_path, config):
@@ -174,13 +233,19 @@ def test_role_checks(config):
         ActorRolloutRefWorker(config.actor_rollout_ref, role="critic")
 
 
-def test_reward_model_scores_the_last_response_token(tmp_path, config, tiny_model_path):
+def tiny_reward_model(tmp_path, tiny_model_path):
+    """A sequence-classification head on the tiny model, saved with the policy's tokenizer."""
     rm_path = tmp_path / "rm"
-    model = AutoModelForSequenceClassification.from_pretrained(tiny_model_path, num_labels=1)
-    model.save_pretrained(rm_path)
-    from rl_core.models.loading import load_tokenizer
+    if not rm_path.exists():
+        torch.manual_seed(1)
+        AutoModelForSequenceClassification.from_pretrained(tiny_model_path, num_labels=1).save_pretrained(rm_path)
+        load_tokenizer(str(tiny_model_path)).save_pretrained(rm_path)
+    return rm_path
 
-    load_tokenizer(str(tiny_model_path)).save_pretrained(rm_path)
+
+def test_reward_model_scores_the_last_response_token(tmp_path, config, tiny_model_path):
+    rm_path = tiny_reward_model(tmp_path, tiny_model_path)
+    model = AutoModelForSequenceClassification.from_pretrained(rm_path).eval()
     actor, _ = build_workers(config, with_critic=False)
     prompts = addition_dataset(tmp_path, actor.tokenizer, config.data, count=4).collate([0, 1], "rm-")
     batch = actor.generate_sequences(prompts)
@@ -191,17 +256,25 @@ def test_reward_model_scores_the_last_response_token(tmp_path, config, tiny_mode
     lengths = batch.tensors["response_mask"].sum(-1)
     nonzero = scores.nonzero()
     assert nonzero[:, 1].tolist() == (lengths - 1).tolist()
-    # independent check of one row: the classifier's pooled output on the unpadded sequence
-    row = 0
-    ids = batch.tensors["input_ids"][row][batch.tensors["attention_mask"][row].bool()].unsqueeze(0)
-    with torch.no_grad():
-        expected = model.eval()(input_ids=ids).logits[0, 0]
-    assert scores[row, lengths[row] - 1].item() == pytest.approx(expected.item(), abs=1e-4)
-    # with a separate input tokenizer the text is re-encoded: same tokenizer here, so the same scores
+    # independent check of every row: the classifier's output on the unpadded sequence
+    for row in range(len(batch)):
+        ids = batch.tensors["input_ids"][row][batch.tensors["attention_mask"][row].bool()].unsqueeze(0)
+        with torch.no_grad():
+            expected = model(input_ids=ids).logits[0, 0]
+        assert scores[row, lengths[row] - 1].item() == pytest.approx(expected.item(), abs=1e-4)
+    # with a separate input tokenizer, prompt + response are decoded and re-encoded with the RM's chat template
     config.reward_model.model.input_tokenizer = str(tiny_model_path)
     retokenizing = RewardModelWorker(config.reward_model)
     retokenizing.init_model()
-    assert retokenizing.compute_rm_score(batch).tensors["rm_scores"].nonzero().shape[0] == len(batch)
+    rescored = retokenizing.compute_rm_score(batch).tensors["rm_scores"]
+    tokenizer = retokenizing.tokenizer
+    for row in range(len(batch)):
+        response = tokenizer.decode(batch.tensors["responses"][row, : lengths[row]], skip_special_tokens=True)
+        messages = list(batch.non_tensors["raw_prompt"][row]) + [{"role": "assistant", "content": response}]
+        ids = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False), return_tensors="pt", add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            expected = model(input_ids=ids).logits[0, 0]
+        assert rescored[row, lengths[row] - 1].item() == pytest.approx(expected.item(), abs=1e-4)
 
 
 def test_lora_checkpoint_holds_only_the_adapter_and_restores_it(tmp_path, config):

@@ -1,0 +1,80 @@
+"""A trainable model's checkpoint as the workers write and read it: weights (gathered from the FSDP shards) in
+Hugging Face's safetensors layout, optimizer, LR scheduler and counters in ``state.safetensors``.
+
+Serialisation itself (safetensors files, no pickle) is :mod:`rl_core.checkpoint`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from rl_core.checkpoint import load_state, save_model_weights, save_state
+from rl_core.models.value_head import VALUE_HEAD_FILE, ValueHeadModel
+from rl_core.workers.data_parallel import world_size
+from rl_core.workers.fsdp import (
+    full_model_state_dict,
+    full_optimizer_state_dict,
+    is_rank_zero,
+    load_full_model_state_dict,
+    load_full_optimizer_state_dict,
+)
+
+
+def load_model_weights(model: torch.nn.Module, folder: str | Path) -> None:
+    """Load weights saved by :func:`save_model_weights` into ``model`` in place (full model or LoRA adapter),
+    sharded or not."""
+    folder = Path(folder)
+    adapter = folder / "adapter_model.safetensors"
+    if adapter.exists():
+        if world_size() > 1:
+            raise NotImplementedError(f"{adapter}: loading a LoRA adapter into a model sharded over {world_size()} ranks is not supported yet; resume on one rank")
+        from peft import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(model, load_file(str(adapter)))
+        unexpected = getattr(result, "unexpected_keys", [])
+        if unexpected:
+            raise ValueError(f"{adapter} does not fit this model: unexpected keys {unexpected[:5]}")
+        return
+    files = sorted(folder.glob("model*.safetensors"))  # model.safetensors or model-0000i-of-0000n.safetensors shards
+    if not files:
+        raise FileNotFoundError(f"{folder} holds no model*.safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(str(file)))
+    if isinstance(model, ValueHeadModel):
+        state = {f"body.{k}": v for k, v in state.items()}
+        state.update({f"value_head.{k}": v for k, v in load_file(str(folder / VALUE_HEAD_FILE)).items()})
+    missing, unexpected = load_full_model_state_dict(model, state)
+    if getattr(model.config, "tie_word_embeddings", False):  # the tied output layer is not saved separately
+        missing = [k for k in missing if not k.endswith("lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"{folder}: weights do not fit the model (missing {missing[:5]}, unexpected {unexpected[:5]})")
+
+
+def save_trainable(folder: str | Path, module: torch.nn.Module, tokenizer: Any, optimizer: torch.optim.Optimizer,
+                   lr_scheduler: Any, extra: dict[str, Any]) -> None:
+    """A trainable model's checkpoint: weights in ``folder`` + optimizer, LR scheduler and ``extra`` in
+    state.safetensors. Every rank must call it (sharded weights are gathered); rank 0 writes."""
+    weights = full_model_state_dict(module) if world_size() > 1 else None
+    optimizer_state = full_optimizer_state_dict(module, optimizer)
+    if is_rank_zero():
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        save_model_weights(module, tokenizer, folder, weights)
+        save_state({"optimizer": optimizer_state, "lr_scheduler": lr_scheduler.state_dict(), "extra": extra}, folder / "state.safetensors")
+    if world_size() > 1:
+        torch.distributed.barrier()
+
+
+def load_trainable(folder: str | Path, module: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any) -> dict[str, Any]:
+    """Restore what :func:`save_trainable` wrote (in place) and return its ``extra``. Every rank must call it."""
+    folder = Path(folder)
+    load_model_weights(module, folder)
+    state = load_state(folder / "state.safetensors")
+    load_full_optimizer_state_dict(module, optimizer, state["optimizer"])
+    lr_scheduler.load_state_dict(state["lr_scheduler"])
+    return state["extra"]
