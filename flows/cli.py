@@ -66,6 +66,21 @@ def _print_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ui(args: argparse.Namespace) -> int:
+    # the command line is the entry point of every floor: the only place flows names ui
+    import os
+
+    from flows.tracking import DEFAULT_TRACKING_URI
+    from ui.server import Links, serve
+
+    links = Links.from_environment()
+    for name in ("mlflow_url", "prefect_url", "ray_dashboard_url"):
+        if getattr(args, name):
+            setattr(links, name, getattr(args, name))
+    serve(args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI, args.host, args.port, links, args.experiment)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ppoflow", description="RL post-training of LLMs: Prefect flows driving Ray workers, tracked in MLflow.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -75,6 +90,15 @@ def build_parser() -> argparse.ArgumentParser:
     config = commands.add_parser("config", help="print the composed config (every key with its value) for the given overrides")
     config.add_argument("overrides", nargs="*", help="Hydra overrides key=value")
     config.set_defaults(run=_print_config)
+    ui = commands.add_parser("ui", help="serve the run inspector page (curves, stage timeline, rollout samples, config diffs) of an MLflow store")
+    ui.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    ui.add_argument("--port", type=int, default=8420)
+    ui.add_argument("--tracking-uri", help="the MLflow store (default: MLFLOW_TRACKING_URI, else the embedded default's sqlite:///mlflow.db)")
+    ui.add_argument("--experiment", default="ppoflow", help="the experiment shown first (trainer.project_name)")
+    ui.add_argument("--mlflow-url", help="the MLflow UI, for links (default http://127.0.0.1:5000)")
+    ui.add_argument("--prefect-url", help="the Prefect UI, for links (default PREFECT_UI_URL or http://127.0.0.1:4200)")
+    ui.add_argument("--ray-dashboard-url", help="the Ray dashboard, for links (default http://127.0.0.1:8265)")
+    ui.set_defaults(run=_ui)
     algos = commands.add_parser("algos", help="list the registered advantage estimators, policy losses, aggregations and KL penalties")
     algos.set_defaults(run=_list_algorithms)
     tiny = commands.add_parser("make-tiny-model", help="write a tiny Qwen2 model + tokenizer (no download) to OUT")

@@ -22,6 +22,7 @@ from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
 from flows.config import flatten
+from rl_core.config import TrainerConfig
 
 STEP_MARKER = "training/global_step"
 INVALID_METRIC_CHARS = re.compile(r"[^A-Za-z0-9_\-. :/]")
@@ -32,6 +33,9 @@ def metric_key(name: str) -> str:
     logger, so ``val-core/<ds>/acc/mean@4`` is logged as ``val-core/<ds>/acc/mean_at_4``."""
     return INVALID_METRIC_CHARS.sub("_", name.replace("@", "_at_"))
 SECRET_KEY = re.compile(r"(token|secret|password|api_key|credential)", re.IGNORECASE)
+
+
+DEFAULT_TRACKING_URI = TrainerConfig.tracking_uri
 
 
 def tracking_uri(config: DictConfig) -> str:

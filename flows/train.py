@@ -73,14 +73,25 @@ def resume_folder(config: DictConfig, checkpoints: StepCheckpoints) -> Path | No
 
 
 def samples_table(batch: Batch, tokenizer: Any, count: int) -> dict[str, list]:
+    """``count`` rollout samples spread over the batch: prompt, response, score, advantage, and per response token its
+    text, advantage and (with a reference policy) KL estimate ``old_log_prob - ref_log_prob`` (the inspector colours
+    tokens by them)."""
     rows = list(range(0, len(batch), max(1, len(batch) // count)))[:count]
-    lengths = batch.tensors["response_mask"].sum(-1)
-    return {
-        "prompt": [tokenizer.decode(batch.tensors["prompts"][r][batch.tensors["attention_mask"][r, : batch.tensors["prompts"].shape[1]].bool()], skip_special_tokens=False) for r in rows],
-        "response": [tokenizer.decode(batch.tensors["responses"][r, : lengths[r]], skip_special_tokens=False) for r in rows],
-        "score": [float(batch.tensors["token_level_scores"][r].sum()) for r in rows],
-        "advantage": [float(batch.tensors["advantages"][r, 0]) for r in rows],
+    tensors = batch.tensors
+    lengths = tensors["response_mask"].sum(-1).tolist()
+    prompt_width = tensors["prompts"].shape[1]
+    table = {
+        "prompt": [tokenizer.decode(tensors["prompts"][r][tensors["attention_mask"][r, :prompt_width].bool()], skip_special_tokens=False) for r in rows],
+        "response": [tokenizer.decode(tensors["responses"][r, : lengths[r]], skip_special_tokens=False) for r in rows],
+        "score": [float(tensors["token_level_scores"][r].sum()) for r in rows],
+        "advantage": [float(tensors["advantages"][r, 0]) for r in rows],
+        "response_tokens": [[tokenizer.decode([token]) for token in tensors["responses"][r, : lengths[r]].tolist()] for r in rows],
+        "token_advantages": [tensors["advantages"][r, : lengths[r]].tolist() for r in rows],
     }
+    if "ref_log_prob" in tensors:
+        kl = tensors["old_log_probs"] - tensors["ref_log_prob"]
+        table["token_kl"] = [kl[r, : lengths[r]].tolist() for r in rows]
+    return table
 
 
 def save_checkpoint(workers: WorkerGroup, checkpoints: StepCheckpoints, progress: Progress, tracker: RunTracker, timeout: float) -> Path:
@@ -135,6 +146,8 @@ def run_training(config: DictConfig) -> dict[str, Any]:
 
     # --- from here on the MLflow run exists: any failure marks it FAILED and frees what this run started
     tracker = RunTracker(config, run_id=checkpoints.trainer_state(folder)["mlflow_run_id"] if folder else None)
+    if runtime.flow_run.id:  # the inspector links the MLflow run to its Prefect flow run
+        tracker.set_tags({"ppoflow.prefect_flow_run_id": runtime.flow_run.id})
     timeout = config.trainer.worker_timeout_s
     run_stage = prefect_stage_runner(config.trainer.stage_retries)
     workers: WorkerGroup | None = None

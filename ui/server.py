@@ -1,0 +1,96 @@
+"""The run inspector's web server: the page (``ui/static``) and a read-only JSON API over an MLflow tracking store.
+
+``ppoflow ui`` serves it on 127.0.0.1 (``--host`` to expose it; it only ever reads). Every route is a GET; the
+page renders logged strings as text (never as HTML) and the Content-Security-Policy forbids inline and foreign
+scripts, so a response containing ``<script>`` is shown, not run.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.base import BaseHTTPMiddleware
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from ui.store import RunStore
+
+STATIC = Path(__file__).resolve().parent / "static"
+SECURITY_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; object-src 'none'; base-uri 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
+
+
+@dataclass
+class Links:
+    """Where the other UIs are, for the page's links."""
+
+    mlflow_url: str = "http://127.0.0.1:5000"
+    prefect_url: str = "http://127.0.0.1:4200"
+    ray_dashboard_url: str = "http://127.0.0.1:8265"
+
+    @classmethod
+    def from_environment(cls) -> Links:
+        return cls(mlflow_url=os.environ.get("PPOFLOW_MLFLOW_UI_URL", cls.mlflow_url),
+                   prefect_url=os.environ.get("PREFECT_UI_URL", cls.prefect_url).removesuffix("/api"),
+                   ray_dashboard_url=os.environ.get("RAY_DASHBOARD_URL", cls.ray_dashboard_url))
+
+
+class SecurityHeaders(BaseHTTPMiddleware):
+    async def dispatch(self, request: Request, call_next: Any) -> Any:
+        response = await call_next(request)
+        response.headers.update(SECURITY_HEADERS)
+        return response
+
+
+def create_app(tracking_uri: str, links: Links | None = None, default_experiment: str = "ppoflow") -> Starlette:
+    store = RunStore(tracking_uri)
+    settings = {**asdict(links or Links.from_environment()), "default_experiment": default_experiment, "tracking_uri": tracking_uri}
+
+    def run_ids(request: Request) -> list[str]:
+        ids = request.query_params.getlist("run")
+        if not ids:
+            raise LookupError("name at least one run: ?run=<run id>")
+        return ids
+
+    def api(handler):
+        async def endpoint(request: Request) -> JSONResponse:
+            try:
+                return JSONResponse(handler(request))
+            except LookupError as error:
+                return JSONResponse({"error": str(error)}, status_code=400)
+            except Exception as error:  # an unknown run or experiment, an unreadable artifact: say so, do not crash
+                return JSONResponse({"error": f"{type(error).__name__}: {error}"}, status_code=404)
+        return endpoint
+
+    routes = [
+        Route("/", lambda request: FileResponse(STATIC / "index.html"), methods=["GET"]),
+        Route("/api/settings", api(lambda request: settings), methods=["GET"]),
+        Route("/api/experiments", api(lambda request: store.experiments()), methods=["GET"]),
+        Route("/api/runs", api(lambda request: store.runs(request.query_params.get("experiment", default_experiment))), methods=["GET"]),
+        Route("/api/curves", api(lambda request: store.curves(run_ids(request), int(request.query_params.get("max_points", 1000)))), methods=["GET"]),
+        Route("/api/timeline", api(lambda request: store.timeline(run_ids(request)[0])), methods=["GET"]),
+        Route("/api/sample-steps", api(lambda request: store.sample_steps(run_ids(request)[0])), methods=["GET"]),
+        Route("/api/samples", api(lambda request: store.samples(run_ids(request)[0], int(request.query_params["step"]))), methods=["GET"]),
+        Route("/api/config-diff", api(lambda request: store.config_diff(run_ids(request))), methods=["GET"]),
+        Mount("/static", StaticFiles(directory=STATIC), name="static"),
+    ]
+    return Starlette(routes=routes, middleware=[Middleware(SecurityHeaders)])
+
+
+def serve(tracking_uri: str, host: str = "127.0.0.1", port: int = 8420, links: Links | None = None, default_experiment: str = "ppoflow") -> None:
+    import uvicorn
+
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"ppoflow ui: listening on {host}, reachable from other machines (the page shows every logged prompt and response)")
+    print(f"ppoflow ui: http://{host}:{port}/ (runs of {tracking_uri})")
+    uvicorn.run(create_app(tracking_uri, links, default_experiment), host=host, port=port, log_level="warning")
