@@ -37,7 +37,7 @@ def main() -> None:
             samples = []
             for _ in range(3):
                 started = time.perf_counter()
-                result = call()
+                call()
                 samples.append(time.perf_counter() - started)
             timings[name] = statistics.median(samples)
         points = max(len(line["steps"]) for lines in store.curves([run_id]).values() for line in lines)
