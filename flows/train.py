@@ -88,7 +88,7 @@ def samples_table(batch: Batch, tokenizer: Any, count: int) -> dict[str, list]:
         "response_tokens": [[tokenizer.decode([token]) for token in tensors["responses"][r, : lengths[r]].tolist()] for r in rows],
         "token_advantages": [tensors["advantages"][r, : lengths[r]].tolist() for r in rows],
     }
-    if "ref_log_prob" in tensors:
+    if "ref_log_prob" in tensors and "old_log_probs" in tensors:
         kl = tensors["old_log_probs"] - tensors["ref_log_prob"]
         table["token_kl"] = [kl[r, : lengths[r]].tolist() for r in rows]
     return table

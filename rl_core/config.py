@@ -106,6 +106,9 @@ class ActorConfig:
     ppo_micro_batch_size_per_gpu: int = 32  # responses per forward/backward (gradient accumulation)
     ppo_epochs: int = 1
     shuffle: bool = False
+    # false: skip the old-log-prob pass and use the update's own forward pass, detached, as the old log-probs. Only
+    # with one epoch and one mini-batch per step (the policy has not moved yet, so both are the same numbers).
+    recompute_old_log_prob: bool = True
     clip_ratio: float = 0.2
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.28
@@ -382,6 +385,11 @@ def check_config(config: Any) -> None:
     if config.algorithm.filter_groups.enable and config.algorithm.use_kl_in_reward:
         raise ConfigValueError("algorithm.filter_groups.enable=true with algorithm.use_kl_in_reward=true: groups are filtered before "
                                "the log-probs that the KL penalty needs exist; use actor_rollout_ref.actor.use_kl_loss instead")
+    if not actor.recompute_old_log_prob:
+        if actor.ppo_epochs != 1 or actor.ppo_mini_batch_size != config.data.train_batch_size or config.algorithm.use_kl_in_reward:
+            raise ConfigValueError("actor_rollout_ref.actor.recompute_old_log_prob=false needs ppo_epochs=1, ppo_mini_batch_size = "
+                                   "data.train_batch_size (one update of the policy the responses came from) and no "
+                                   "algorithm.use_kl_in_reward (it needs the old log-probs before the advantage)")
     if not config.actor_rollout_ref.hybrid_engine:
         raise ConfigValueError("actor_rollout_ref.hybrid_engine=false: only the hybrid engine (rollout in the actor's worker, "
                                "sharing its weights) is built; set it to true")

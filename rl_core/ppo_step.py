@@ -116,7 +116,7 @@ def values(workers: StepWorkers, batch: Batch) -> Batch:
     return workers.critic.compute_values(_for_workers(batch))
 
 
-def advantage(config: Any, kl_controller: Any, batch: Batch, old: Batch, ref: Batch | None, value: Batch | None) -> Batch:
+def advantage(config: Any, kl_controller: Any, batch: Batch, old: Batch | None, ref: Batch | None, value: Batch | None) -> Batch:
     """Stage 6 (cheap maths, in the controller): KL in the reward (optional), then the configured estimator ->
     ``token_level_rewards``, ``advantages``, ``returns``; the KL metrics in ``meta_info['metrics']``."""
     algorithm = config.algorithm
@@ -144,9 +144,12 @@ def update_critic(workers: StepWorkers, batch: Batch, value: Batch, adv: Batch) 
     return workers.critic.update_critic(_for_workers(batch, value, returns)).meta_info["metrics"]
 
 
-def update_actor(workers: StepWorkers, batch: Batch, old: Batch, ref: Batch | None, adv: Batch) -> dict[str, float]:
-    """Stage 8: PPO updates of the actor (the rollout shares its weights: no sync needed); its metrics."""
-    inputs = [Batch({"old_log_probs": old.tensors["old_log_probs"]}), Batch({"advantages": adv.tensors["advantages"]})]
+def update_actor(workers: StepWorkers, batch: Batch, old: Batch | None, ref: Batch | None, adv: Batch) -> dict[str, float]:
+    """Stage 8: PPO updates of the actor (the rollout shares its weights: no sync needed); its metrics. ``old`` is
+    None when the update computes the old log-probs itself (``recompute_old_log_prob=false``)."""
+    inputs = [Batch({"advantages": adv.tensors["advantages"]})]
+    if old is not None:
+        inputs.append(Batch({"old_log_probs": old.tensors["old_log_probs"]}))
     if ref is not None:
         inputs.append(Batch({"ref_log_prob": ref.tensors["ref_log_prob"]}))
     return workers.actor.update_actor(_for_workers(batch, *inputs)).meta_info["metrics"]
@@ -197,8 +200,9 @@ def run_ppo_step(config: Any, workers: StepWorkers, data: RLDataset, sampler: Re
     if config.trainer.balance_batch and workers.world_size > 1:
         batch = batch[balanced_order(batch.tensors["attention_mask"].sum(-1).tolist(), workers.world_size)]
 
-    # Stages 3-5: log-probs of the current and the reference policy, values
-    old = stage("old_log_prob", old_log_prob, workers, batch)
+    # Stages 3-5: log-probs of the current and the reference policy, values (the first skipped when the update's
+    # own forward pass serves as the old log-probs: actor.recompute_old_log_prob=false)
+    old = stage("old_log_prob", old_log_prob, workers, batch) if config.actor_rollout_ref.actor.recompute_old_log_prob else None
     ref = stage("ref_log_prob", ref_log_prob, workers, batch) if use_reference(config) else None
     value = stage("values", values, workers, batch) if use_critic(config) else None
 

@@ -122,7 +122,9 @@ class ActorRolloutRefWorker:
     @dispatch(DP_COMPUTE)
     def update_actor(self, batch: Batch) -> Batch:
         """One PPO update on ``batch`` (needs responses, response_mask, old_log_probs, advantages; ref_log_prob
-        with ``use_kl_loss``); then one LR-scheduler step."""
+        with ``use_kl_loss``); then one LR-scheduler step. Without ``recompute_old_log_prob`` the old log-probs are
+        this update's own log-probs, detached (one epoch, one mini-batch: the same numbers), and the entropy metric
+        that ``compute_log_prob`` reports comes from here."""
         self._require(self.is_actor, "update_actor", "actor")
         actor = self.actor_config
         n = int(self.rollout_config.n)
@@ -130,12 +132,19 @@ class ActorRolloutRefWorker:
         loss_agg_mode = actor.loss_agg_mode
         entropy_coeff = float(actor.entropy_coeff)
         use_kl_loss = bool(actor.use_kl_loss)
+        reuse_log_prob = not bool(actor.recompute_old_log_prob)
         temperature = batch.meta_info.get("temperature", 1.0)
+        entropy_sums = torch.zeros(2, dtype=torch.float64)  # (sum of entropy over valid tokens, valid tokens)
 
         def micro_loss(micro: Batch, info: dict[str, float]) -> tuple[torch.Tensor, dict[str, float]]:
             mask = micro.tensors["response_mask"]
-            log_prob, entropy = self._micro_log_probs(self.module, micro, temperature, calculate_entropy=entropy_coeff != 0)
-            pg_loss, metrics = loss_fn(old_log_prob=micro.tensors["old_log_probs"], log_prob=log_prob, advantages=micro.tensors["advantages"],
+            log_prob, entropy = self._micro_log_probs(self.module, micro, temperature, calculate_entropy=entropy_coeff != 0 or reuse_log_prob)
+            if reuse_log_prob:
+                old_log_prob = log_prob.detach()
+                entropy_sums.add_(torch.stack([(entropy.detach() * mask).sum(), mask.sum()]).double().cpu())
+            else:
+                old_log_prob = micro.tensors["old_log_probs"]
+            pg_loss, metrics = loss_fn(old_log_prob=old_log_prob, log_prob=log_prob, advantages=micro.tensors["advantages"],
                                        response_mask=mask, loss_agg_mode=loss_agg_mode, config=LossConfig(actor, info))
             metrics = {**metrics, "actor/pg_loss": pg_loss.item()}
             loss = pg_loss
@@ -160,6 +169,8 @@ class ActorRolloutRefWorker:
             )
         if use_kl_loss:
             metrics["actor/kl_coef"] = float(actor.kl_loss_coef)
+        if reuse_log_prob:
+            metrics["actor/entropy"] = float(entropy_sums[0] / entropy_sums[1].clamp(min=1))
         self.lr_scheduler.step()
         self.steps_trained += 1
         return Batch(meta_info={"metrics": metrics})

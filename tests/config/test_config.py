@@ -94,3 +94,11 @@ def test_total_epochs_and_total_steps_stop_at_whichever_comes_first():
 
 def test_schema_file_is_where_the_readme_says():
     assert (ROOT / "rl_core" / "config.py").is_file() and Path(compose_config.__code__.co_filename).name == "config.py"
+
+
+def test_skipping_the_old_log_prob_pass_needs_one_epoch_and_one_mini_batch():
+    base = ["actor_rollout_ref.actor.recompute_old_log_prob=false", "data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=16"]
+    assert compose_config(base).actor_rollout_ref.actor.recompute_old_log_prob is False
+    for extra in ("actor_rollout_ref.actor.ppo_epochs=2", "actor_rollout_ref.actor.ppo_mini_batch_size=8", "algorithm.use_kl_in_reward=true"):
+        with pytest.raises(ConfigError, match="recompute_old_log_prob=false needs ppo_epochs=1"):
+            compose_config([*base, extra])

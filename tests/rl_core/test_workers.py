@@ -15,7 +15,7 @@ from rl_core.ppo_step import StepWorkers, run_ppo_step, run_validation, use_crit
 from rl_core.reward.manager import RewardManager, build_reward_manager
 from rl_core.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
 from rl_core.workers.train_loop import NonFiniteError
-from tests.rl_core.helpers import addition_dataset
+from tests.rl_core.helpers import addition_dataset, assert_same_adam_step
 
 
 def build_workers(config, with_critic):
@@ -290,3 +290,33 @@ def test_lora_checkpoint_holds_only_the_adapter_and_restores_it(tmp_path, config
     restored.load_checkpoint(tmp_path / "lora")
     mask = batch.tensors["response_mask"].bool()
     assert torch.allclose(restored.compute_log_prob(batch).tensors["old_log_probs"][mask], actor.compute_log_prob(batch).tensors["old_log_probs"][mask], atol=1e-6)
+
+
+def test_reusing_the_updates_log_probs_as_old_gives_the_same_update(tmp_path, config):
+    """One epoch, one mini-batch: old log-probs from a separate pass or from the update's own forward, detached, are
+    the same numbers, so the update is the same (one forward pass less)."""
+    config.actor_rollout_ref.actor.ppo_mini_batch_size = config.data.train_batch_size
+    config.actor_rollout_ref.actor.clip_ratio_low = config.actor_rollout_ref.actor.clip_ratio_high = 1e-3  # clipping would show a difference
+    reference, _ = build_workers(config, with_critic=False)
+    batch = fixed_batch(reference, tmp_path, config)
+    start = copy.deepcopy(reference.module.state_dict())
+    entropy = reference.compute_log_prob(batch).meta_info["metrics"]["actor/entropy"]
+    recomputed = reference.update_actor(batch).meta_info["metrics"]
+    config.actor_rollout_ref.actor.recompute_old_log_prob = False
+    reusing = ActorRolloutRefWorker(config.actor_rollout_ref, "actor_rollout_ref")
+    reusing.init_model()
+    reusing.module.load_state_dict(start)
+    reused = reusing.update_actor(Batch({k: v for k, v in batch.tensors.items() if k != "old_log_probs"})).meta_info["metrics"]
+    for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/kl_loss", "actor/grad_norm"):
+        assert reused[key] == pytest.approx(recomputed[key], abs=1e-6), key
+    assert reused["actor/entropy"] == pytest.approx(entropy, rel=1e-5)
+    assert_same_adam_step(reusing.module.state_dict(), reference.module.state_dict(), config.actor_rollout_ref.actor.optim.lr)
+
+
+def test_a_step_without_the_old_log_prob_pass(tmp_path, config):
+    config.actor_rollout_ref.actor.ppo_mini_batch_size = config.data.train_batch_size
+    config.actor_rollout_ref.actor.recompute_old_log_prob = False
+    actor, _ = build_workers(config, with_critic=False)
+    batch, metrics = run_ppo_step(config, StepWorkers(actor), *step_inputs(tmp_path, actor, config), step=1)
+    assert "timing_s/old_log_prob" not in metrics and "old_log_probs" not in batch
+    assert metrics["actor/entropy"] > 0 and metrics["actor/pg_clipfrac"] == 0.0  # on-policy: the ratio is exactly 1
