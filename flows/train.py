@@ -146,13 +146,13 @@ def run_training(config: DictConfig) -> dict[str, Any]:
 
     # --- from here on the MLflow run exists: any failure marks it FAILED and frees what this run started
     tracker = RunTracker(config, run_id=checkpoints.trainer_state(folder)["mlflow_run_id"] if folder else None)
-    if runtime.flow_run.id:  # the inspector links the MLflow run to its Prefect flow run
-        tracker.set_tags({"ppoflow.prefect_flow_run_id": runtime.flow_run.id})
     timeout = config.trainer.worker_timeout_s
     run_stage = prefect_stage_runner(config.trainer.stage_retries)
     workers: WorkerGroup | None = None
     restarts, succeeded = 0, False
     try:
+        if runtime.flow_run.id:  # the inspector links the MLflow run to its Prefect flow run
+            tracker.set_tags({"ppoflow.prefect_flow_run_id": runtime.flow_run.id})
         connect(config.trainer.ray.address, num_cpus=config.trainer.ray.num_cpus)
         namespace = f"ppoflow-{runtime.flow_run.id or tracker.run_id}"
         workers = (reattach_workers(config, namespace) if folder else None) or build_workers(config, namespace)
