@@ -2,7 +2,8 @@
 samples and configs, shaped for the page.
 
 Curves are downsampled here, not in the browser: a run with 10,000 steps sends at most ``max_points`` points per
-curve (:func:`downsample` keeps each bucket's minimum and maximum, so spikes stay visible).
+curve (:func:`downsample` keeps each bucket's minimum and maximum, so spikes stay visible). The metric histories of
+runs that have ended are cached (they cannot change), so the page's polling costs a finished run nothing.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ CURVES = {
     "throughput (tokens/s)": ("perf/throughput",),
 }
 SAMPLES_FOLDER = "samples"
+ENDED = ("FINISHED", "FAILED", "KILLED")
 
 
 def downsample(steps: list[int], values: list[float], max_points: int) -> tuple[list[int], list[float]]:
@@ -56,12 +58,34 @@ def downsample(steps: list[int], values: list[float], max_points: int) -> tuple[
 class RunStore:
     """Read-only views of one MLflow tracking store."""
 
-    def __init__(self, tracking_uri: str, cache_size: int = 64):
+    def __init__(self, tracking_uri: str, cache_size: int = 512):
         self.client = MlflowClient(tracking_uri)
         self.tracking_uri = tracking_uri
-        self._samples_cache: OrderedDict[tuple[str, str], list[dict]] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()  # (run, metric key or samples file) -> data
         self._cache_size = cache_size
         self._lock = threading.Lock()
+
+    def _cached(self, key: tuple[str, str], load: Any, keep: bool) -> Any:
+        """``load()``, remembered under ``key`` when ``keep`` (the data can no longer change); least recently used
+        entries go first."""
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        value = load()
+        if keep:
+            with self._lock:
+                self._cache[key] = value
+                if len(self._cache) > self._cache_size:
+                    self._cache.popitem(last=False)
+        return value
+
+    def _points(self, run_id: str, key: str, ended: bool) -> list[tuple[int, float]]:
+        """The metric's (step, value) history in step order."""
+        def load() -> list[tuple[int, float]]:
+            history = sorted(self.client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp))
+            return [(m.step, m.value) for m in history]
+        return self._cached((run_id, key), load, keep=ended)
 
     # ------------------------------------------------------------------ runs
     def experiments(self) -> list[dict[str, str]]:
@@ -85,14 +109,9 @@ class RunStore:
         } for run in runs]
 
     # ------------------------------------------------------------------ curves
-    def _history(self, run_id: str, key: str, max_points: int) -> dict[str, list]:
-        points = sorted(self.client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp))
-        steps, values = downsample([m.step for m in points], [m.value for m in points], max_points)
-        return {"steps": steps, "values": values}
-
-    def curve_keys(self, run_id: str) -> dict[str, list[str]]:
-        """For each curve of :data:`CURVES`, the metric keys this run has."""
-        metrics = self.client.get_run(run_id).data.metrics
+    def curve_keys(self, run: Any) -> dict[str, list[str]]:
+        """For each curve of :data:`CURVES`, the metric keys the MLflow ``run`` has."""
+        metrics = run.data.metrics
         keys: dict[str, list[str]] = {}
         for name, candidates in CURVES.items():
             if name == "validation accuracy":
@@ -105,15 +124,19 @@ class RunStore:
         """``{curve name: [{run_id, key, steps, values}, ...]}`` for the selected runs."""
         out: dict[str, list] = {name: [] for name in CURVES}
         for run_id in run_ids:
-            for name, keys in self.curve_keys(run_id).items():
+            run = self.client.get_run(run_id)
+            for name, keys in self.curve_keys(run).items():
                 for key in keys:
-                    out[name].append({"run_id": run_id, "key": key, **self._history(run_id, key, max_points)})
+                    points = self._points(run_id, key, run.info.status in ENDED)
+                    steps, values = downsample([p[0] for p in points], [p[1] for p in points], max_points)
+                    out[name].append({"run_id": run_id, "key": key, "steps": steps, "values": values})
         return out
 
     def timeline(self, run_id: str, max_points: int = 500) -> dict[str, Any]:
         """Seconds per stage per step (every ``timing_s/*`` metric), on one shared step axis."""
-        keys = sorted(k for k in self.client.get_run(run_id).data.metrics if k.startswith("timing_s/"))
-        histories = {k: {m.step: m.value for m in self.client.get_metric_history(run_id, k)} for k in keys}
+        run = self.client.get_run(run_id)
+        keys = sorted(k for k in run.data.metrics if k.startswith("timing_s/"))
+        histories = {k: dict(self._points(run_id, k, run.info.status in ENDED)) for k in keys}
         steps = sorted({step for history in histories.values() for step in history})
         if len(steps) > max_points:  # every n-th step: stacked bars need the same steps in every series
             stride = -(-len(steps) // max_points)
@@ -129,18 +152,12 @@ class RunStore:
         """The rollout samples logged at ``step`` as rows (prompt, response, score, advantage, and per-token
         ``response_tokens`` / ``token_advantages`` / ``token_kl`` when the run logged them)."""
         path = f"{SAMPLES_FOLDER}/step_{step:06d}.json"
-        with self._lock:
-            if (run_id, path) in self._samples_cache:
-                self._samples_cache.move_to_end((run_id, path))
-                return self._samples_cache[(run_id, path)]
-        with tempfile.TemporaryDirectory() as folder:
-            table = json.loads(Path(self.client.download_artifacts(run_id, path, folder)).read_text())
-        rows = [dict(zip(table["columns"], values)) for values in table["data"]]
-        with self._lock:
-            self._samples_cache[(run_id, path)] = rows
-            if len(self._samples_cache) > self._cache_size:
-                self._samples_cache.popitem(last=False)
-        return rows
+
+        def load() -> list[dict[str, Any]]:
+            with tempfile.TemporaryDirectory() as folder:
+                table = json.loads(Path(self.client.download_artifacts(run_id, path, folder)).read_text())
+            return [dict(zip(table["columns"], values)) for values in table["data"]]
+        return self._cached((run_id, path), load, keep=True)  # a step's samples are written once
 
     # ------------------------------------------------------------------ configs
     def config_diff(self, run_ids: list[str]) -> dict[str, Any]:

@@ -62,3 +62,19 @@ def test_a_run_with_10000_steps_is_served_downsampled(tmp_path):
     assert 500 < len(score["steps"]) <= 1000 and score["steps"] == sorted(score["steps"])
     assert max(score["values"]) == 96.0 and min(score["values"]) == 0.0
     assert len(timeline["steps"]) <= 500 and [s["stage"] for s in timeline["stages"]] == ["gen", "update_actor"]
+
+
+def test_a_running_run_shows_new_steps_and_an_ended_run_is_read_once(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    run_id = log_long_run(uri, tmp_path, steps=5, names=["critic/score/mean"])
+    store = RunStore(uri)
+    assert store.curves([run_id])["score"][0]["steps"] == [1, 2, 3, 4, 5]
+    MlflowClient(uri).log_metric(run_id, "critic/score/mean", 1.0, step=6)
+    assert store.curves([run_id])["score"][0]["steps"] == [1, 2, 3, 4, 5, 6]  # still running: read again
+    MlflowClient(uri).set_terminated(run_id)
+    reads = []
+    original = store.client.get_metric_history
+    store.client.get_metric_history = lambda *args: reads.append(args) or original(*args)
+    for _ in range(3):
+        assert store.curves([run_id])["score"][0]["steps"] == [1, 2, 3, 4, 5, 6]
+    assert len(reads) == 1  # ended: its history cannot change, so it is read once
