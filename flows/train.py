@@ -156,11 +156,12 @@ def run_training(config: DictConfig) -> dict[str, Any]:
         connect(config.trainer.ray.address, num_cpus=config.trainer.ray.num_cpus)
         namespace = f"ppoflow-{runtime.flow_run.id or tracker.run_id}"
         workers = (reattach_workers(config, namespace) if folder else None) or build_workers(config, namespace)
+        stage_workers = step_workers(workers, timeout)
         if folder:
             restore(workers, folder, progress, checkpoints, timeout)
             print(f"resumed from {folder} (step {progress.global_step}), MLflow run {tracker.run_id}")
         if config.trainer.val_before_train and progress.global_step == 0 and config.trainer.test_freq > 0:
-            start_metrics = run_validation(config, step_workers(workers, timeout), val_data, reward_manager)
+            start_metrics = run_validation(config, stage_workers, val_data, reward_manager)
             tracker.log_step(0, start_metrics)
             print(console_line(0, total, start_metrics, 0.0))
         val_metrics: dict[str, float] = {}
@@ -169,10 +170,10 @@ def run_training(config: DictConfig) -> dict[str, Any]:
             step = progress.global_step + 1
             started = time.perf_counter()
             try:
-                batch, metrics = run_ppo_step(config, step_workers(workers, timeout), train_data, progress.sampler, reward_manager,
+                batch, metrics = run_ppo_step(config, stage_workers, train_data, progress.sampler, reward_manager,
                                               progress.kl_controller, step, run_stage)
                 if every(step, config.trainer.test_freq, total):
-                    val_metrics = run_validation(config, step_workers(workers, timeout), val_data, reward_manager)
+                    val_metrics = run_validation(config, stage_workers, val_data, reward_manager)
                     metrics.update(val_metrics)
                 seconds = time.perf_counter() - started
                 tokens = float(batch.tensors["attention_mask"].sum())
@@ -192,6 +193,7 @@ def run_training(config: DictConfig) -> dict[str, Any]:
                 tracker.set_tags({"ppoflow.worker_restarts": restarts})
                 workers.kill()
                 workers = build_workers(config, namespace)
+                stage_workers = step_workers(workers, timeout)
                 progress = fresh_progress()
                 latest = checkpoints.latest_step()
                 if latest is not None:
