@@ -305,8 +305,9 @@ class TrainerConfig:
     num_logged_samples: int = 16
     register_model_name: Optional[str] = None  # register the final actor in the MLflow model registry under this name
     max_worker_restarts: int = 2      # a dead worker: rebuild the group from the latest checkpoint at most this often
-    keep_workers: bool = False        # a failed run leaves its workers alive for a retry of the same run (a pending
-                                      # Prefect flow-run retry keeps them too)
+    keep_workers: Optional[bool] = None  # a failed run leaves its workers alive for the next controller of the same run
+                                      # (a retry, or `ppoflow train` again); null = yes on a persistent cluster, no on
+                                      # the embedded one (a pending Prefect flow-run retry keeps them too)
     worker_timeout_s: float = 600.0   # every remote call's timeout
     stage_retries: int = 1            # retries of idempotent stages (generate, log-probs, values) on transient errors
     tracking_uri: str = "sqlite:///mlflow.db"  # MLFLOW_TRACKING_URI wins when set
@@ -363,10 +364,17 @@ class ConfigValueError(ValueError):
 
 def check_config(config: Any) -> None:
     """Refuse values that the types allow but the run cannot use, naming the key and the fix."""
-    for key, allowed in CHOICES.items():
+    from rl_core.algos import ADVANTAGE_ESTIMATORS, KL_PENALTIES, LOSS_AGG_MODES, POLICY_LOSSES
+
+    registered = {  # the algorithm registries, as they are when the config is checked (a plugin may add to them)
+        "algorithm.adv_estimator": ADVANTAGE_ESTIMATORS, "actor_rollout_ref.actor.policy_loss.loss_mode": POLICY_LOSSES,
+        "actor_rollout_ref.actor.loss_agg_mode": LOSS_AGG_MODES, "critic.loss_agg_mode": LOSS_AGG_MODES,
+        "actor_rollout_ref.actor.kl_loss_type": KL_PENALTIES, "algorithm.kl_penalty": KL_PENALTIES,
+    }
+    for key, allowed in {**CHOICES, **registered}.items():
         value = OmegaConf.select(config, key)
         if value not in allowed:
-            raise ConfigValueError(f"{key}={value!r}: choose one of {', '.join(allowed)}")
+            raise ConfigValueError(f"{key}={value!r}: choose one of {', '.join(sorted(allowed))}")
     for key in POSITIVE:
         value = OmegaConf.select(config, key)
         if not value > 0:

@@ -233,7 +233,7 @@ def run_validation(config: Any, workers: StepWorkers, data: RLDataset, reward_ma
     scored = []
     for start in range(0, len(data), size):
         prompts = data.collate(list(range(start, min(start + size, len(data)))), uid_prefix="val-")
-        prompts.meta_info.update(validate=True, global_step=0)
+        prompts.meta_info.update(validate=True, global_step=0, val_kwargs=dict(config.actor_rollout_ref.rollout.val_kwargs))
         batch = run_stage("generate", generate, workers, prompts)
         scored.append(batch.union(_without_metrics(run_stage("reward", reward, workers, reward_manager, batch))))
     batch = Batch.concat(scored)

@@ -8,6 +8,7 @@ resumed run draws the same samples.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -18,19 +19,23 @@ from rl_core.rollout.base import assemble_sequences, register_rollout_engine, re
 
 
 def sampling_settings(rollout_config: Any, meta_info: dict[str, Any]) -> dict[str, Any]:
-    """n, do_sample, temperature, top_p, top_k: ``val_kwargs`` when ``meta_info['validate']``, one greedy response per
-    prompt when ``meta_info['greedy']`` (ReMax's baseline), else the rollout's own settings."""
+    """n, do_sample, temperature, top_p, top_k: when ``meta_info['validate']``, the ``meta_info['val_kwargs']`` the
+    controller sends (an evaluation samples with its own) or else the config's ``val_kwargs``; one greedy response per
+    prompt when ``meta_info['greedy']`` (ReMax's baseline); else the rollout's own settings."""
     if meta_info.get("greedy", False):
         return {"n": 1, "do_sample": False, "temperature": 1.0, "top_p": 1.0, "top_k": -1}
-    source = rollout_config.val_kwargs if meta_info.get("validate", False) else rollout_config
-    temperature = float(source.temperature)
-    do_sample = bool(source.do_sample) and temperature > 0
+    source = rollout_config
+    if meta_info.get("validate", False):
+        source = meta_info.get("val_kwargs") or rollout_config.val_kwargs
+    get = source.__getitem__ if isinstance(source, Mapping) else source.__getattribute__
+    temperature = float(get("temperature"))
+    do_sample = bool(get("do_sample")) and temperature > 0
     return {
-        "n": int(source.n),
+        "n": int(get("n")),
         "do_sample": do_sample,
         "temperature": temperature if do_sample else 1.0,
-        "top_p": float(source.top_p),
-        "top_k": int(source.top_k),
+        "top_p": float(get("top_p")),
+        "top_k": int(get("top_k")),
     }
 
 
