@@ -65,7 +65,7 @@ def flow_steps(settings: list[str]) -> list[float]:
 
     from flows.train import train
 
-    result = train(settings)
+    result = train(overrides=settings)
     history = MlflowClient(result["tracking_uri"]).get_metric_history(result["run_id"], "perf/time_per_step")
     return [m.value for m in sorted(history, key=lambda m: m.step)]
 

@@ -35,11 +35,77 @@ def _prepare_gsm8k(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train(args: argparse.Namespace) -> int:
+def _quiet_prefect() -> None:
+    """Flow-run logs (the per-step lines) stay at INFO; Prefect's per-task-run state lines only when they warn."""
     import os
 
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")  # the flow prints one line per step itself
+    os.environ.setdefault("PREFECT_LOGGING_LOGGERS_PREFECT_TASK_RUNS_LEVEL", "WARNING")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+
+def _use_stack() -> str:
+    """Point Prefect, MLflow and Ray at the local stack when ``ppoflow up`` runs one (variables already set win);
+    returns a line saying which services the command uses."""
+    import os
+
+    from infra.stack import active_stack
+
+    stack = active_stack()
+    if stack is None:
+        env = os.environ.get
+        return (f"no `ppoflow up` stack: Prefect {env('PREFECT_API_URL') or 'without a server'}, MLflow "
+                f"{env('MLFLOW_TRACKING_URI') or 'at trainer.tracking_uri'}, Ray {env('RAY_ADDRESS') or 'at trainer.ray.address, else a local one'}")
+    for key, value in stack.env().items():
+        os.environ.setdefault(key, value)
+    return (f"the ppoflow stack: Prefect {os.environ['PREFECT_API_URL']}, MLflow {os.environ['MLFLOW_TRACKING_URI']}, "
+            f"Ray {os.environ['RAY_ADDRESS']}")
+
+
+def _up(args: argparse.Namespace) -> int:
+    from infra.stack import up
+
+    ports = {name: port for name, port in (("prefect", args.prefect_port), ("mlflow", args.mlflow_port), ("ray", args.ray_port)) if port}
+    try:
+        stack, started = up(args.data_dir, ports)
+    except (RuntimeError, TimeoutError) as error:
+        print(f"ppoflow up: {error}", file=sys.stderr)
+        return 1
+    print(f"ppoflow stack (data in {stack.data_dir}):")
+    for name, service in stack.services.items():
+        print(f"  {name:8} {service.url:32} pid {service.pid:<8} {'started' if name in started else 'already running'}")
+    print("use it from a shell with:")
+    for key, value in stack.env().items():
+        print(f"export {key}={value}")
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    from infra.stack import down
+
+    stopped = down()
+    print(f"stopped {', '.join(stopped)} (data kept)" if stopped else "no ppoflow stack is recorded as running")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from infra.stack import Stack, state_file
+
+    stack = Stack.load()
+    if stack is None:
+        print(f"no ppoflow stack is running ({state_file()} does not exist); `ppoflow up` starts one")
+        return 1
+    healthy = True
+    print(f"ppoflow stack (data in {stack.data_dir}):")
+    for name, service in stack.services.items():
+        alive, answers = service.alive(), service.answers()
+        healthy &= alive and answers
+        print(f"  {name:8} {service.url:32} pid {service.pid:<8} {'running' if alive else 'not running'}, {'answers' if answers else 'does not answer'}")
+    return 0 if healthy else 1
+
+
+def _train(args: argparse.Namespace) -> int:
+    _quiet_prefect()
+    print(f"ppoflow train: using {_use_stack()}", flush=True)
     from flows.config import ConfigError, compose_config
 
     try:
@@ -49,8 +115,119 @@ def _train(args: argparse.Namespace) -> int:
         return 2
     from flows.train import summary_line, train
 
-    result = train(overrides=args.overrides)
+    result = train.with_options(retries=args.retries, retry_delay_seconds=5)(overrides=args.overrides)
     print(summary_line(result))
+    return 0
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    _quiet_prefect()
+    print(f"ppoflow sweep: using {_use_stack()}", flush=True)
+    from flows.sweep import SweepError, check_sweep
+    from flows.train import summary_line
+
+    try:
+        check_sweep(args.overrides, args.search, args.trials, args.direction)  # a bad sweep: a one-line error before Prefect starts
+        from flows.sweep import sweep
+
+        result = sweep(overrides=args.overrides, search=args.search, trials=args.trials, metric=args.metric,
+                       direction=args.direction, name=args.name, seed=args.seed)
+    except SweepError as error:
+        print(f"ppoflow sweep: {error}", file=sys.stderr)
+        return 2
+    print(summary_line({k: result[k] for k in ("tracking_uri", "parent_run_id", "name", "metric")}))
+    return 0
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    _quiet_prefect()
+    print(f"ppoflow evaluate: using {_use_stack()}", flush=True)
+    from flows.config import ConfigError
+    from flows.evaluate import EvaluationSourceError, evaluate
+    from flows.train import summary_line
+
+    try:
+        result = evaluate(source=args.source, overrides=args.overrides, samples=args.samples, temperature=args.temperature)
+    except (ConfigError, EvaluationSourceError) as error:
+        print(f"ppoflow evaluate: {error}", file=sys.stderr)
+        return 2
+    print(summary_line(result))
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    _quiet_prefect()
+    _use_stack()
+    from flows.deployments import PrefectUnavailableError, serve_deployments
+    from flows.sweep import SweepError
+
+    options = {"search": args.sweep_search, "metric": args.sweep_metric, "direction": args.sweep_direction, "trials": args.sweep_trials}
+    try:
+        serve_deployments(train_concurrency=args.train_concurrency, train_retries=args.train_retries, sweep_cron=args.sweep_cron, sweep_interval_s=args.sweep_interval,
+                          sweep_overrides=args.sweep_overrides, sweep_options=options)
+    except (PrefectUnavailableError, SweepError, ValueError) as error:
+        print(f"ppoflow serve: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _deploy(args: argparse.Namespace) -> int:
+    _use_stack()
+    from flows.deployments import PrefectUnavailableError, register_in_work_pool
+
+    try:
+        names = register_in_work_pool(args.work_pool, train_concurrency=args.train_concurrency, train_overrides=args.train_overrides)
+    except (PrefectUnavailableError, ValueError) as error:
+        print(f"ppoflow deploy: {error}", file=sys.stderr)
+        return 2
+    print(f"registered {', '.join(names)} in work pool {args.work_pool!r}")
+    return 0
+
+
+def _render_k8s(args: argparse.Namespace) -> int:
+    from infra.k8s.render import VALUES_FILE, load_values, write
+
+    try:
+        values = load_values(args.values or VALUES_FILE, args.set)
+    except ValueError as error:
+        print(f"ppoflow k8s-render: {error}", file=sys.stderr)
+        return 2
+    for path in write(values, args.out):
+        print(path)
+    return 0
+
+
+def _workers(args: argparse.Namespace) -> int:
+    import os
+
+    _use_stack()
+    address = args.address or os.environ.get("RAY_ADDRESS")
+    if not address:
+        print("ppoflow workers: no cluster to look at: start the stack (`ppoflow up`), set RAY_ADDRESS or give --address", file=sys.stderr)
+        return 2
+    from flows.tracking import DEFAULT_TRACKING_URI
+    from flows.workers import kill_worker_group, worker_groups
+    from infra.cluster import ClusterUnreachableError, connect
+
+    try:
+        connect(address)
+    except ClusterUnreachableError as error:
+        print(f"ppoflow workers: {error}", file=sys.stderr)
+        return 2
+    groups = worker_groups(args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI)
+    if args.action == "list":
+        print(f"{'run':34} {'ranks':>5} {'age':>8}  {'resources':24} {'run status':10} pids")
+        for group in groups:
+            age = f"{group.age_s / 60:.1f} min" if group.age_s is not None else "busy"
+            resources = ", ".join(f"{k} {v:g}" for k, v in sorted(group.resources.items()))
+            print(f"{group.run_id:34} {group.ranks:>5} {age:>8}  {resources:24} {group.run_status:10} {' '.join(map(str, group.pids)) or 'busy'}")
+        return 0
+    targets = [g.run_id for g in groups if g.run_status != "RUNNING"] if args.orphans else args.runs
+    if not targets:
+        print("nothing to kill: name runs (ppoflow workers kill RUN_ID ...) or --orphans (groups whose MLflow run is not running)")
+        return 0 if args.orphans else 2
+    for run_id in targets:
+        print(f"{run_id}: killed {kill_worker_group(run_id)} worker(s)")
     return 0
 
 
@@ -86,7 +263,62 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="run PPO/GRPO training (Hydra overrides, e.g. algorithm.adv_estimator=gae); no overrides = the embedded demo")
     train.add_argument("overrides", nargs="*", help="Hydra overrides key=value (`ppoflow config` lists every key)")
+    train.add_argument("--retries", type=int, default=0, help="Prefect flow-run retries: a failed run starts again from its latest "
+                       "checkpoint, reattaching to its workers (default 0)")
     train.set_defaults(run=_train)
+    up = commands.add_parser("up", help="start the local stack on 127.0.0.1 (Prefect server, MLflow server, Ray head); idempotent")
+    up.add_argument("--data-dir", help="where the services keep their data (default $PPOFLOW_HOME/data, PPOFLOW_HOME=~/.ppoflow)")
+    up.add_argument("--prefect-port", type=int, help="default 4200")
+    up.add_argument("--mlflow-port", type=int, help="default 5000")
+    up.add_argument("--ray-port", type=int, help="default 6379")
+    up.set_defaults(run=_up)
+    down = commands.add_parser("down", help="stop the services `ppoflow up` started (and nothing else); their data is kept")
+    down.set_defaults(run=_down)
+    status = commands.add_parser("status", help="say which services of the local stack run and answer")
+    status.set_defaults(run=_status)
+    sweep = commands.add_parser("sweep", help="training runs over a Hydra grid (key=a,b) or an Optuna search, nested under one MLflow parent run and compared")
+    sweep.add_argument("overrides", nargs="+", help="Hydra overrides: key=a,b / range(...) vary (interval(...) for random/tpe), key=v is fixed")
+    sweep.add_argument("--search", choices=["grid", "random", "tpe"], default="grid")
+    sweep.add_argument("--trials", type=int, default=8, help="children of a random/tpe search (default 8)")
+    sweep.add_argument("--metric", default="auto", help="compare by this metric (default: the first validation mean@n, else critic/score/mean)")
+    sweep.add_argument("--direction", choices=["max", "min"], default="max")
+    sweep.add_argument("--name", help="the sweep's name (default: from the overrides; the same name continues a sweep)")
+    sweep.add_argument("--seed", type=int, default=0, help="the random/tpe sampler's seed")
+    sweep.set_defaults(run=_sweep)
+    evaluate = commands.add_parser("evaluate", help="greedy and sampled validation of a checkpoint (global_step_N) or models:/<name>/<version>, in its own MLflow run")
+    evaluate.add_argument("source", help="a global_step_N checkpoint folder (or its actor folder), or models:/<name>/<version>")
+    evaluate.add_argument("overrides", nargs="*", help="Hydra overrides of the training run's config (e.g. data.val_files=...)")
+    evaluate.add_argument("--samples", type=int, default=8, help="sampled responses per prompt (mean@n, pass@k)")
+    evaluate.add_argument("--temperature", type=float, default=1.0)
+    evaluate.set_defaults(run=_evaluate)
+    serve = commands.add_parser("serve", help="serve the train, evaluate and sweep flows as deployments of the Prefect server in PREFECT_API_URL")
+    serve.add_argument("--train-concurrency", type=int, default=1, help="training runs at once (default 1: one machine)")
+    serve.add_argument("--train-retries", type=int, default=0, help="flow-run retries of a failed training run (from its latest checkpoint)")
+    serve.add_argument("--sweep-cron", help='run the sweep deployment on this cron schedule, e.g. "0 2 * * *"')
+    serve.add_argument("--sweep-interval", type=float, help="or every this many seconds")
+    serve.add_argument("--sweep-overrides", nargs="+", help="the scheduled sweep's overrides (Hydra sweep syntax)")
+    serve.add_argument("--sweep-search", choices=["grid", "random", "tpe"], default="grid")
+    serve.add_argument("--sweep-trials", type=int, default=8)
+    serve.add_argument("--sweep-metric", default="auto")
+    serve.add_argument("--sweep-direction", choices=["max", "min"], default="max")
+    serve.set_defaults(run=_serve)
+    workers = commands.add_parser("workers", help="list the training runs' worker groups on the cluster, or kill them")
+    workers.add_argument("action", choices=["list", "kill"])
+    workers.add_argument("runs", nargs="*", help="kill: the MLflow run ids whose workers to end")
+    workers.add_argument("--orphans", action="store_true", help="kill: every group whose MLflow run is not running (finished, failed, unknown)")
+    workers.add_argument("--address", help="the Ray cluster (default: the stack's, else RAY_ADDRESS)")
+    workers.add_argument("--tracking-uri", help="the MLflow store of the runs (default: the stack's, else MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)")
+    workers.set_defaults(run=_workers)
+    deploy = commands.add_parser("deploy", help="register the deployments in a Prefect work pool (its workers run them; see infra/k8s)")
+    deploy.add_argument("--work-pool", required=True)
+    deploy.add_argument("--train-concurrency", type=int, default=1)
+    deploy.add_argument("--train-overrides", nargs="+", help="the train form's default overrides (e.g. trainer.nnodes=2 trainer.n_gpus_per_node=8)")
+    deploy.set_defaults(run=_deploy)
+    render = commands.add_parser("k8s-render", help="write the Kubernetes manifests (KubeRay, Prefect, MLflow, PostgreSQL) from a values file")
+    render.add_argument("out", help="output folder (then: kubectl apply -f OUT)")
+    render.add_argument("--values", help="the values file (default infra/k8s/values.yaml)")
+    render.add_argument("--set", nargs="+", help="key.path=value overrides of the values")
+    render.set_defaults(run=_render_k8s)
     config = commands.add_parser("config", help="print the composed config (every key with its value) for the given overrides")
     config.add_argument("overrides", nargs="*", help="Hydra overrides key=value")
     config.set_defaults(run=_print_config)

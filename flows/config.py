@@ -9,6 +9,7 @@ values no run can use. Each is a :class:`ConfigError` naming the key.
 from __future__ import annotations
 
 import re
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -51,12 +52,18 @@ def _explain(error: BaseException) -> str:
     return f"{key + ': ' if key else ''}{first}"
 
 
-def compose_config(overrides: list[str] | None = None) -> DictConfig:
-    """The root config with ``overrides`` applied, interpolations resolved and every value checked."""
+def compose_config(overrides: list[str] | None = None, base: str | None = None) -> DictConfig:
+    """The root config with ``overrides`` applied, interpolations resolved and every value checked. ``base`` (the YAML
+    of an earlier run's composed config) replaces the defaults: an evaluation starts from its training run's config."""
     overrides = list(overrides or [])
     try:
-        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-            config = compose(config_name=CONFIG_NAME, overrides=overrides)
+        with tempfile.TemporaryDirectory(prefix="ppoflow-config-") as folder:
+            config_dir, name = CONFIG_DIR, CONFIG_NAME
+            if base is not None:
+                config_dir, name = Path(folder), "base"
+                (config_dir / "base.yaml").write_text("defaults:\n  - ppoflow_schema\n  - _self_\n\n" + base)
+            with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+                config = compose(config_name=name, overrides=overrides)
         OmegaConf.merge(PPOTrainerConfig, OmegaConf.to_container(config))  # `+key=value` slips past the schema: refuse it here
         OmegaConf.resolve(config)
     except OverrideParseException as error:

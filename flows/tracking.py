@@ -42,24 +42,31 @@ def tracking_uri(config: DictConfig) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or config.trainer.tracking_uri
 
 
+def experiment_id(client: MlflowClient, config: DictConfig) -> str:
+    """The id of the experiment ``trainer.project_name``, created (artifacts under ``trainer.artifact_location``) if new."""
+    experiment = client.get_experiment_by_name(config.trainer.project_name)
+    if experiment is not None:
+        return experiment.experiment_id
+    location = Path(config.trainer.artifact_location).expanduser().resolve().as_uri()
+    return client.create_experiment(config.trainer.project_name, artifact_location=location)
+
+
 class RunTracker:
-    def __init__(self, config: DictConfig, run_id: str | None = None):
+    """A new run (with the config as params and ``tags`` besides ``ppoflow.status``), or the existing ``run_id``."""
+
+    def __init__(self, config: DictConfig, run_id: str | None = None, tags: dict[str, str] | None = None, run_name: str | None = None):
         self.client = MlflowClient(tracking_uri(config))
         self.uri = tracking_uri(config)
         if run_id is None:
-            experiment = self.client.get_experiment_by_name(config.trainer.project_name)
-            if experiment is None:
-                location = Path(config.trainer.artifact_location).expanduser().resolve().as_uri()
-                experiment_id = self.client.create_experiment(config.trainer.project_name, artifact_location=location)
-            else:
-                experiment_id = experiment.experiment_id
-            run = self.client.create_run(experiment_id, run_name=config.trainer.experiment_name, tags={"ppoflow.status": "running"})
+            run = self.client.create_run(experiment_id(self.client, config), run_name=run_name or config.trainer.experiment_name,
+                                         tags={**(tags or {}), "ppoflow.status": "running"})
             self.run_id = run.info.run_id
             self._log_config(config)
         else:
             self.run_id = run_id
-            self.client.get_run(run_id)  # fails clearly when the run does not exist
+            run = self.client.get_run(run_id)  # fails clearly when the run does not exist
             self.client.update_run(run_id, status="RUNNING")
+        self.experiment_id = run.info.experiment_id
         self.last_logged_step = max((m.step for m in self.client.get_metric_history(self.run_id, STEP_MARKER)), default=-1)
 
     def _log_config(self, config: DictConfig) -> None:
@@ -96,6 +103,11 @@ class RunTracker:
                 pass
             self.client.create_model_version(register_as, source=source, run_id=self.run_id)
         return source
+
+    def fail(self, error: BaseException) -> None:
+        """The run ended by ``error``: FAILED, with the error in the ``ppoflow.error`` tag."""
+        self.set_tags({"ppoflow.error": f"{type(error).__name__}: {error}"[:5000]})
+        self.finish("FAILED")
 
     def finish(self, status: str = "FINISHED") -> None:
         self.set_tags({"ppoflow.status": status.lower()})

@@ -6,8 +6,10 @@ update_critic -> update_actor; then validation, metrics (one MLflow call) and th
 
 Recovery: the unit of resumption is the step checkpoint. ``trainer.resume_mode=auto`` continues from the
 latest one in the same MLflow run; a dead or timed-out worker makes the flow rebuild the worker group and re-run
-from the latest checkpoint (at most ``trainer.max_worker_restarts`` times); a flow retry re-enters through the same
-resume path and reattaches to the run's workers when they are alive.
+from the latest checkpoint (at most ``trainer.max_worker_restarts`` times). The workers live in a Ray namespace
+named after the MLflow run, so the next controller of the same run — a flow retry, or the controller started again
+after a crash — reattaches to them when they are alive, and reloads their weights from the checkpoint only when
+they moved past it.
 """
 
 from __future__ import annotations
@@ -21,13 +23,16 @@ from typing import Any
 from omegaconf import DictConfig
 from prefect import flow, runtime
 from prefect.context import FlowRunContext
+from prefect.states import Failed
 
 from flows.config import compose_config
 from flows.demo import apply_embedded_defaults
+from flows.parameters import TrainSettings
+from flows.prefect_view import PrefectRunView, mlflow_run_url, one_line
 from flows.stages import prefect_stage_runner
 from flows.tracking import RunTracker, tracking_uri
-from flows.workers import build_workers, reattach_workers, step_workers
-from infra.cluster import connect
+from flows.workers import build_workers, reattach_workers, run_namespace, step_workers, weights_at
+from infra.cluster import connect, is_persistent
 from infra.worker_group import WorkerDiedError, WorkerGroup, WorkerTimeoutError
 from rl_core.algos.kl import get_kl_controller
 from rl_core.batch import Batch
@@ -48,9 +53,10 @@ class Progress:
     sampler: ResumableSampler
     kl_controller: Any
 
-    def state(self, run_id: str) -> dict[str, Any]:
-        return {"global_step": self.global_step, "sampler": self.sampler.state_dict(),
-                "kl_controller": self.kl_controller.state_dict(), "mlflow_run_id": run_id}
+    def state(self, run_id: str, worker_steps: dict[str, int]) -> dict[str, Any]:
+        """``worker_steps``: each role's update count at the checkpoint (a reattached worker still there needs no reload)."""
+        return {"global_step": self.global_step, "sampler": self.sampler.state_dict(), "kl_controller": self.kl_controller.state_dict(),
+                "mlflow_run_id": run_id, "worker_steps": worker_steps}
 
 
 def every(step: int, freq: int, last: int) -> bool:
@@ -99,33 +105,42 @@ def save_checkpoint(workers: WorkerGroup, checkpoints: StepCheckpoints, progress
     workers.role("actor_rollout_ref").save_checkpoint(str(staging / "actor"), timeout_s=timeout, stage="save_checkpoint")
     if "critic" in workers.roles:
         workers.role("critic").save_checkpoint(str(staging / "critic"), timeout_s=timeout, stage="save_checkpoint")
-    folder = checkpoints.commit(progress.global_step, progress.state(tracker.run_id))
+    worker_steps = workers.health(timeout)[0]["steps_trained"]
+    folder = checkpoints.commit(progress.global_step, progress.state(tracker.run_id, worker_steps))
     tracker.set_tags({"checkpoint/latest": folder.resolve(), f"checkpoint/global_step_{progress.global_step}": folder.resolve()})
     return folder
 
 
-def restore(workers: WorkerGroup, folder: Path, progress: Progress, checkpoints: StepCheckpoints, timeout: float) -> None:
-    """Weights, optimizers, data position and KL controller from the step checkpoint ``folder``."""
+def restore(workers: WorkerGroup, folder: Path, progress: Progress, checkpoints: StepCheckpoints, timeout: float, load_weights: bool = True) -> None:
+    """Data position and KL controller from the step checkpoint ``folder``, and (``load_weights``) the workers' weights,
+    optimizers and RNG."""
     state = checkpoints.trainer_state(folder)
-    workers.role("actor_rollout_ref").load_checkpoint(str(folder / "actor"), timeout_s=timeout, stage="load_checkpoint")
-    if "critic" in workers.roles:
-        workers.role("critic").load_checkpoint(str(folder / "critic"), timeout_s=timeout, stage="load_checkpoint")
+    if load_weights:
+        workers.role("actor_rollout_ref").load_checkpoint(str(folder / "actor"), timeout_s=timeout, stage="load_checkpoint")
+        if "critic" in workers.roles:
+            workers.role("critic").load_checkpoint(str(folder / "critic"), timeout_s=timeout, stage="load_checkpoint")
     progress.global_step = int(state["global_step"])
     progress.sampler.load_state_dict(state["sampler"])
     progress.kl_controller.load_state_dict(state["kl_controller"])
+
+
+def validation_summary(metrics: dict[str, float]) -> str:
+    """``<data source> <mean@n>, ...`` of the validation metrics among ``metrics`` ('' when there are none)."""
+    return ", ".join(f"{k[len('val-core/'):k.rindex('/acc/')]} {v:.3f}" for k, v in metrics.items() if k.startswith("val-core/") and "/mean@" in k)
 
 
 def console_line(step: int, total: int, metrics: dict[str, float], seconds: float) -> str:
     kl = metrics.get("actor/kl_loss", metrics.get("actor/reward_kl_penalty", 0.0))
     line = (f"step {step}/{total} | score {metrics.get('critic/score/mean', 0):.3f} | kl {kl:.4f} | "
             f"entropy {metrics.get('actor/entropy', 0):.3f} | response_len {metrics.get('response_length/mean', 0):.1f} | {seconds:.1f}s")
-    val = [f"{k[len('val-core/'):k.rindex('/acc/')]} {v:.3f}" for k, v in metrics.items() if k.startswith("val-core/") and "/mean@" in k]
-    return line + (" | val " + ", ".join(val) if val else "")
+    val = validation_summary(metrics)
+    return line + (" | val " + val if val else "")
 
 
 # ---------------------------------------------------------------------------------------------- the flow
-def run_training(config: DictConfig) -> dict[str, Any]:
-    """Everything the flow does after composing the config (callable without Prefect's decorator for tests)."""
+def run_training(config: DictConfig, tags: dict[str, str] | None = None) -> dict[str, Any]:
+    """Everything the flow does after composing the config (callable without Prefect's decorator for tests);
+    ``tags`` go on a new MLflow run (a sweep's child carries ``mlflow.parentRunId``)."""
     # --- set-up that cannot leave anything behind: assets, data, reward (a bad input fails here, before any run exists)
     apply_embedded_defaults(config)
     tokenizer = load_policy_tokenizer(config.actor_rollout_ref.model)
@@ -145,25 +160,34 @@ def run_training(config: DictConfig) -> dict[str, Any]:
     folder = resume_folder(config, checkpoints)
 
     # --- from here on the MLflow run exists: any failure marks it FAILED and frees what this run started
-    tracker = RunTracker(config, run_id=checkpoints.trainer_state(folder)["mlflow_run_id"] if folder else None)
+    tracker = RunTracker(config, run_id=checkpoints.trainer_state(folder)["mlflow_run_id"] if folder else None, tags=tags)
+    view = PrefectRunView()
     timeout = config.trainer.worker_timeout_s
     run_stage = prefect_stage_runner(config.trainer.stage_retries)
     workers: WorkerGroup | None = None
     restarts, succeeded = 0, False
     try:
-        if runtime.flow_run.id:  # the inspector links the MLflow run to its Prefect flow run
+        if runtime.flow_run.id:  # the inspector links the MLflow run to its Prefect flow run, and the flow run to it
             tracker.set_tags({"ppoflow.prefect_flow_run_id": runtime.flow_run.id})
+        view.link_run(mlflow_run_url(tracker.uri, tracker.experiment_id, tracker.run_id), tracker.run_id, config.trainer.default_local_dir)
         connect(config.trainer.ray.address, num_cpus=config.trainer.ray.num_cpus)
-        namespace = f"ppoflow-{runtime.flow_run.id or tracker.run_id}"
-        workers = (reattach_workers(config, namespace) if folder else None) or build_workers(config, namespace)
+        namespace = run_namespace(tracker.run_id)  # keyed by the training run: the next controller of this run finds them
+        workers = reattach_workers(config, namespace) if folder else None
+        reuse_weights = workers is not None and weights_at(workers, checkpoints.trainer_state(folder), timeout)
+        if workers is not None:
+            view.log(f"reattached to the run's {workers.world_size} live worker(s): "
+                     + ("their weights are the checkpoint's, nothing to reload" if reuse_weights else "reloading their weights from the checkpoint"))
+        else:
+            workers = build_workers(config, namespace)
+        tracker.set_tags({"ppoflow.worker_pids": ",".join(str(r["pid"]) for r in workers.health(timeout))})
         stage_workers = step_workers(workers, timeout)
         if folder:
-            restore(workers, folder, progress, checkpoints, timeout)
-            print(f"resumed from {folder} (step {progress.global_step}), MLflow run {tracker.run_id}")
+            restore(workers, folder, progress, checkpoints, timeout, load_weights=not reuse_weights)
+            view.log(f"resumed from {folder} (step {progress.global_step}), MLflow run {tracker.run_id}")
         if config.trainer.val_before_train and progress.global_step == 0 and config.trainer.test_freq > 0:
             start_metrics = run_validation(config, stage_workers, val_data, reward_manager)
             tracker.log_step(0, start_metrics)
-            print(console_line(0, total, start_metrics, 0.0))
+            view.log(console_line(0, total, start_metrics, 0.0))
         val_metrics: dict[str, float] = {}
         # --- the training loop
         while progress.global_step < total:
@@ -184,15 +208,19 @@ def run_training(config: DictConfig) -> dict[str, Any]:
                     tracker.log_samples(step, samples_table(batch, tokenizer, config.trainer.num_logged_samples))
                 if every(step, config.trainer.save_freq, total):
                     save_checkpoint(workers, checkpoints, progress, tracker, timeout)
-                print(console_line(step, total, metrics, seconds))
+                view.log(console_line(step, total, metrics, seconds))
+                latest_val = validation_summary(val_metrics)
+                view.progress(step, total, f"score {metrics.get('critic/score/mean', 0):.3f}" + (f" | val {latest_val}" if latest_val else ""),
+                              force=step == total or step == 1)
             except (WorkerDiedError, WorkerTimeoutError) as error:  # the group is unusable: rebuild it
                 if restarts >= config.trainer.max_worker_restarts:
                     raise
                 restarts += 1
-                print(f"{error} -> rebuilding the worker group (restart {restarts}/{config.trainer.max_worker_restarts})")
+                view.log(f"{error} -> rebuilding the worker group (restart {restarts}/{config.trainer.max_worker_restarts})")
                 tracker.set_tags({"ppoflow.worker_restarts": restarts})
                 workers.kill()
                 workers = build_workers(config, namespace)
+                tracker.set_tags({"ppoflow.worker_pids": ",".join(str(r["pid"]) for r in workers.health(timeout))})
                 stage_workers = step_workers(workers, timeout)
                 progress = fresh_progress()
                 latest = checkpoints.latest_step()
@@ -209,29 +237,43 @@ def run_training(config: DictConfig) -> dict[str, Any]:
         return {"tracking_uri": tracking_uri(config), "run_id": tracker.run_id, "step": progress.global_step,
                 "checkpoint_dir": str(final_dir.resolve()), "val_metrics": val_metrics}
     except BaseException as error:
-        tracker.set_tags({"ppoflow.error": f"{type(error).__name__}: {error}"[:5000]})
+        tracker.fail(error)
         raise
     finally:
-        if not succeeded:
-            tracker.finish("FAILED")
         if workers is not None and (succeeded or not keeps_workers_on_failure(config)):
             workers.kill()
 
 
 def keeps_workers_on_failure(config: DictConfig) -> bool:
-    """``trainer.keep_workers``, or a Prefect retry of this flow run is still to come (it reattaches to them)."""
+    """``trainer.keep_workers`` (unset: yes on a persistent cluster, no on the embedded one, which ends with this
+    process anyway), or a Prefect retry of this flow run is still to come (it reattaches to them)."""
     context = FlowRunContext.get()
     retry_pending = context is not None and (runtime.flow_run.run_count or 1) <= (context.flow.retries or 0)
-    return bool(config.trainer.keep_workers) or retry_pending
+    keep = config.trainer.keep_workers
+    return (is_persistent() if keep is None else bool(keep)) or retry_pending
+
+
+def training_overrides(settings: TrainSettings | None, overrides: list[str] | None) -> list[str]:
+    """The Hydra overrides a run composes its config from: the form's fields, then the free list (which wins)."""
+    return (settings.to_overrides() if settings else []) + list(overrides or [])
 
 
 @flow(name="ppoflow-train")
-def train(overrides: list[str] | None = None) -> dict[str, Any]:
-    """Train with the Hydra ``overrides`` (e.g. ``["algorithm.adv_estimator=gae"]``); returns the run summary."""
-    config = compose_config(overrides)  # a wrong key or type fails here, before any worker starts
-    print(f"ppoflow: {config.algorithm.adv_estimator} on {config.actor_rollout_ref.model.path or 'the embedded tiny model'}, "
-          f"{config.trainer.total_training_steps or 'all'} steps (at most {config.trainer.total_epochs} epochs)")
-    return run_training(config)
+def train(settings: TrainSettings = TrainSettings(), overrides: list[str] | None = None, tags: dict[str, str] | None = None) -> Any:
+    """Train with the form's ``settings`` and the Hydra ``overrides`` after them (e.g. ``["algorithm.adv_estimator=gae"]``;
+    ``ppoflow config`` lists every key); ``tags`` go on the MLflow run. Returns the run summary.
+
+    A failed run's state message is the cause in one line (the full traceback is in the flow run's logs)."""
+    config = compose_config(training_overrides(settings, overrides))  # a wrong key or type fails here, before any worker starts
+    view = PrefectRunView()
+    view.log(f"ppoflow: {config.algorithm.adv_estimator} on {config.actor_rollout_ref.model.path or 'the embedded tiny model'}, "
+             f"{config.trainer.total_training_steps or 'all'} steps (at most {config.trainer.total_epochs} epochs)")
+    try:
+        return run_training(config, tags)
+    except Exception as error:
+        if view.logger is not None:
+            view.logger.exception("training failed")
+        return Failed(message=one_line(error), data=error)
 
 
 def summary_line(result: dict[str, Any]) -> str:

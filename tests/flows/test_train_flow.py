@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from flows.config import ConfigError
 from flows.train import train
+from flows.workers import run_namespace
 from rl_core.algos import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 from rl_core.step_checkpoint import StepCheckpoints
 from tests.flows.conftest import metric_history
@@ -24,7 +25,7 @@ VERL_NAMES = ("actor/pg_loss", "actor/entropy", "actor/ppo_kl", "actor/pg_clipfr
 
 
 def test_grpo_three_steps(run_overrides, tmp_path):
-    result = train(run_overrides("trainer.register_model_name=ppoflow-tiny"))
+    result = train(overrides=run_overrides("trainer.register_model_name=ppoflow-tiny"))
     assert result["step"] == 3 and Path(result["checkpoint_dir"]).name == "global_step_3"
     json.dumps(result)  # the CLI's last line
     history = metric_history(result["tracking_uri"], result["run_id"])
@@ -47,7 +48,7 @@ def test_grpo_three_steps(run_overrides, tmp_path):
 
 
 def test_ppo_with_a_critic_three_steps(run_overrides):
-    result = train(run_overrides("algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=false",
+    result = train(overrides=run_overrides("algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=false",
                                  "algorithm.use_kl_in_reward=true"))
     history = metric_history(result["tracking_uri"], result["run_id"])
     for name in ("critic/vf_loss", "critic/vf_clipfrac", "critic/values/mean", "critic/returns/mean", "actor/reward_kl_penalty"):
@@ -58,9 +59,9 @@ def test_ppo_with_a_critic_three_steps(run_overrides):
 def test_resume_gives_the_same_run_as_training_straight(run_overrides, tmp_path):
     straight, split = tmp_path / "straight", tmp_path / "split"
     settings = ("trainer.test_freq=2", "trainer.val_before_train=false")
-    full = train(run_overrides("trainer.total_training_steps=4", *settings, folder=straight))
-    first = train(run_overrides("trainer.total_training_steps=2", *settings, folder=split))
-    second = train(run_overrides("trainer.total_training_steps=4", "trainer.resume_mode=auto", *settings, folder=split))
+    full = train(overrides=run_overrides("trainer.total_training_steps=4", *settings, folder=straight))
+    first = train(overrides=run_overrides("trainer.total_training_steps=2", *settings, folder=split))
+    second = train(overrides=run_overrides("trainer.total_training_steps=4", "trainer.resume_mode=auto", *settings, folder=split))
     assert second["run_id"] == first["run_id"]  # the same MLflow run continues
     a, b = metric_history(full["tracking_uri"], full["run_id"]), metric_history(second["tracking_uri"], second["run_id"])
     compared = [k for k in a if not k.startswith(("timing_s/", "perf/"))]
@@ -81,16 +82,14 @@ def test_a_worker_killed_during_step_two_is_replaced(run_overrides, tmp_path):
             for experiment in client.search_experiments():
                 for run in client.search_runs([experiment.experiment_id]):
                     if run.data.metrics.get("training/global_step", 0) >= 1:
-                        for actor in ray.util.list_named_actors(all_namespaces=True):
-                            if actor["name"] == "workers-rank0" and actor["namespace"].startswith("ppoflow-"):
-                                ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
-                                killed.append(actor["namespace"])
-                                return
+                        ray.kill(ray.get_actor("workers-rank0", namespace=run_namespace(run.info.run_id)), no_restart=True)
+                        killed.append(run.info.run_id)
+                        return
             time.sleep(0.2)
 
     killer = threading.Thread(target=kill_after_step_one, daemon=True)
     killer.start()
-    result = train(overrides)
+    result = train(overrides=overrides)
     killer.join(timeout=5)
     assert killed, "the worker was never killed"
     history = metric_history(result["tracking_uri"], result["run_id"])
@@ -108,13 +107,13 @@ def test_a_crash_while_writing_a_checkpoint_keeps_the_previous_one(run_overrides
 
     monkeypatch.setattr(StepCheckpoints, "commit", crash_at_step_two)
     with pytest.raises(OSError, match="disk full"):
-        train(run_overrides("trainer.val_before_train=false"))
+        train(overrides=run_overrides("trainer.val_before_train=false"))
     checkpoints = StepCheckpoints(tmp_path / "checkpoints")
     assert checkpoints.latest_step() == 1
     weights = load_file(str(checkpoints.step_dir(1) / "actor" / "model.safetensors"))
     assert weights and checkpoints.trainer_state(checkpoints.step_dir(1))["global_step"] == 1
     monkeypatch.setattr(StepCheckpoints, "commit", real_commit)
-    result = train(run_overrides("trainer.val_before_train=false"))  # resume_mode=auto picks up step 1
+    result = train(overrides=run_overrides("trainer.val_before_train=false"))  # resume_mode=auto picks up step 1
     history = metric_history(result["tracking_uri"], result["run_id"])
     assert {step: len(v) for step, v in history["actor/pg_loss"].items()} == {1: 1, 2: 1, 3: 1}
 
@@ -123,7 +122,7 @@ def test_a_dangling_pointer_is_an_error_not_a_fresh_start(run_overrides, tmp_pat
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("7")
     with pytest.raises(Exception, match="global_step_7 does not exist"):
-        train(run_overrides())
+        train(overrides=run_overrides())
 
 
 @pytest.mark.parametrize("override,message", [
@@ -134,7 +133,7 @@ def test_bad_config_fails_before_any_worker_starts(run_overrides, override, mess
     before = {(a["namespace"], a["name"]) for a in ray.util.list_named_actors(all_namespaces=True)}
     started = time.monotonic()
     with pytest.raises(ConfigError, match=message):
-        train(run_overrides(override))
+        train(overrides=run_overrides(override))
     assert time.monotonic() - started < 30
     assert {(a["namespace"], a["name"]) for a in ray.util.list_named_actors(all_namespaces=True)} == before
 
@@ -142,7 +141,7 @@ def test_bad_config_fails_before_any_worker_starts(run_overrides, override, mess
 def test_dynamic_sampling_runs_in_the_flow(run_overrides):
     """The filtering itself is checked on the finished batch in tests/rl_core/test_workers.py; here: the flow path
     runs it and reports the generation batches it needed."""
-    result = train(run_overrides("algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=8",
+    result = train(overrides=run_overrides("algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=8",
                                  "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=-1"))
     history = metric_history(result["tracking_uri"], result["run_id"])
     assert sorted(history["train/num_gen_batches"]) == [1, 2]
@@ -158,7 +157,7 @@ POLICY_LOSS_FOR = dict(itertools.zip_longest(sorted(ADVANTAGE_ESTIMATORS), sorte
 @pytest.mark.parametrize("estimator", sorted(ADVANTAGE_ESTIMATORS))
 def test_every_estimator_and_policy_loss_trains_two_steps(run_overrides, estimator):
     loss_mode = POLICY_LOSS_FOR[estimator]
-    result = train(run_overrides(f"algorithm.adv_estimator={estimator}", f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}",
+    result = train(overrides=run_overrides(f"algorithm.adv_estimator={estimator}", f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}",
                                  "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=-1"))
     history = metric_history(result["tracking_uri"], result["run_id"])
     assert sorted(history["actor/pg_loss"]) == [1, 2]
@@ -175,7 +174,7 @@ def test_reward_model_lora_critic_warmup_and_resume_from_a_path(run_overrides, t
     settings = (f"actor_rollout_ref.model.path={tiny_model_path}", "reward_model.enable=true", f"reward_model.model.path={rm_path}",
                 "actor_rollout_ref.model.lora_rank=4", "algorithm.adv_estimator=gae", "trainer.critic_warmup=2",
                 "trainer.val_before_train=false", "trainer.test_freq=2")
-    first = train(run_overrides("trainer.total_training_steps=2", *settings))
+    first = train(overrides=run_overrides("trainer.total_training_steps=2", *settings))
     history = metric_history(first["tracking_uri"], first["run_id"])
     assert sorted(history["critic/vf_loss"]) == [1, 2] and sorted(history["actor/pg_loss"]) == [2]  # step 1: critic only
     assert sorted(history["val-core/ppoflow/addition/acc/mean_at_1"]) == [2]
@@ -183,7 +182,7 @@ def test_reward_model_lora_critic_warmup_and_resume_from_a_path(run_overrides, t
     assert any(v[0] not in (0.0, 1.0) for v in history["critic/score/mean"].values())
     assert (Path(first["checkpoint_dir"]) / "actor" / "adapter_model.safetensors").exists()
     step_one = Path(first["checkpoint_dir"]).parent / "global_step_1"
-    second = train(run_overrides("trainer.total_training_steps=3", "trainer.resume_mode=resume_path", f"trainer.resume_from_path={step_one}", *settings))
+    second = train(overrides=run_overrides("trainer.total_training_steps=3", "trainer.resume_mode=resume_path", f"trainer.resume_from_path={step_one}", *settings))
     assert second["run_id"] == first["run_id"] and second["step"] == 3
     history = metric_history(second["tracking_uri"], second["run_id"])
     assert sorted(history["actor/pg_loss"]) == [2, 3] and all(len(v) == 1 for v in history["actor/pg_loss"].values())
@@ -192,7 +191,7 @@ def test_reward_model_lora_critic_warmup_and_resume_from_a_path(run_overrides, t
 def test_a_failure_while_setting_up_marks_the_run_failed_and_frees_the_workers(run_overrides, tmp_path):
     """The workers start, then loading the model fails on them: nothing of this run may stay RUNNING or alive."""
     with pytest.raises(Exception, match="lora_adapter_path|no-such-adapter"):
-        train(run_overrides("actor_rollout_ref.model.lora_adapter_path=/no-such-adapter"))
+        train(overrides=run_overrides("actor_rollout_ref.model.lora_adapter_path=/no-such-adapter"))
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     (run,) = client.search_runs([client.get_experiment_by_name("ppoflow").experiment_id])
     assert run.info.status == "FAILED" and "no-such-adapter" in run.data.tags["ppoflow.error"]

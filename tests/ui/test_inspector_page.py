@@ -29,7 +29,7 @@ def store(tmp_path_factory, demo_cache, ray_address, prefect_api):
     from flows.train import train
 
     folder = tmp_path_factory.mktemp("inspector")
-    result = train(small_run_overrides(folder, demo_cache, "trainer.experiment_name=inspected"))
+    result = train(overrides=small_run_overrides(folder, demo_cache, "trainer.experiment_name=inspected"))
     client = MlflowClient(result["tracking_uri"])
     experiment = client.get_experiment_by_name("ppoflow").experiment_id
     hostile = client.create_run(experiment, run_name="hostile").info.run_id

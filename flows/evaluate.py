@@ -1,0 +1,139 @@
+"""The evaluate flow: a trained policy on a validation set, greedy and sampled, in an MLflow run of its own.
+
+The policy is a step checkpoint (``.../global_step_N`` or its ``actor`` folder) or a registered MLflow model version
+(``models:/<name>/<version>``). Its training run (recorded in the checkpoint, or the version's run) gives the config
+the evaluation starts from — model, data, prompt and reward settings — and ``overrides`` change it (another
+``data.val_files``, ``custom_reward_function.path``, ...). Two validation passes with the training run's own code
+(:func:`rl_core.ppo_step.run_validation`):
+
+* greedy (one response per prompt): ``val-core/<data_source>/acc/mean@1``, the metric training logs, so a
+  checkpoint's evaluation reproduces its run's validation at that step;
+* sampled (``samples`` responses per prompt at ``temperature``): ``sampled/val-core/<ds>/acc/mean@n`` and pass@k.
+
+The MLflow run is tagged with its source (``ppoflow.source_run_id``, ``ppoflow.source``), in the source run's
+experiment unless ``trainer.project_name`` is overridden.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from mlflow.artifacts import download_artifacts
+from mlflow.tracking import MlflowClient
+from omegaconf import DictConfig
+from prefect import flow
+from prefect.states import Failed
+
+from flows.config import compose_config
+from flows.demo import apply_embedded_defaults
+from flows.prefect_view import PrefectRunView, mlflow_run_url, one_line
+from flows.tracking import RunTracker, tracking_uri
+from flows.workers import build_workers, step_workers
+from infra.cluster import connect
+from rl_core.data.dataset import RLDataset
+from rl_core.models.loading import load_policy_tokenizer
+from rl_core.ppo_step import run_validation
+from rl_core.reward.custom import load_custom_reward_function
+from rl_core.reward.manager import build_reward_manager
+from rl_core.step_checkpoint import STATE_FILE
+
+CONFIG_ARTIFACT = "config/ppo_trainer.yaml"
+
+
+class EvaluationSourceError(ValueError):
+    """The policy to evaluate cannot be found, or its training run cannot."""
+
+
+def resolve_source(source: str, client: MlflowClient, download_to: Path) -> tuple[Path, str, int]:
+    """(actor folder, training run id, global step) of a step checkpoint folder, its ``actor`` folder, or
+    ``models:/<name>/<version>`` (downloaded to ``download_to``)."""
+    if source.startswith("models:/"):
+        name, _, version = source.removeprefix("models:/").partition("/")
+        if not version.isdigit():
+            raise EvaluationSourceError(f"{source!r}: name a registered version, models:/<name>/<version> (e.g. models:/ppoflow-policy/1)")
+        try:
+            model_version = client.get_model_version(name, version)
+        except Exception as error:
+            raise EvaluationSourceError(f"{source!r}: no such model version in {client.tracking_uri} ({one_line(error)})") from None
+        folder = Path(download_artifacts(artifact_uri=model_version.source, dst_path=str(download_to), tracking_uri=client.tracking_uri))
+        step = max((m.step for m in client.get_metric_history(model_version.run_id, "training/global_step")), default=0)
+        return folder, model_version.run_id, step
+    folder = Path(source).expanduser().resolve()
+    checkpoint = folder if (folder / STATE_FILE).is_file() else folder.parent
+    if not (checkpoint / STATE_FILE).is_file() or not (checkpoint / "actor").is_dir():
+        raise EvaluationSourceError(f"{source!r} is not a step checkpoint: give a global_step_N folder (holding {STATE_FILE} and "
+                                    f"actor/) or its actor folder, or a registered model as models:/<name>/<version>")
+    state = json.loads((checkpoint / STATE_FILE).read_text())
+    return checkpoint / "actor", state["mlflow_run_id"], int(state["global_step"])
+
+
+def source_config_yaml(client: MlflowClient, run_id: str) -> str:
+    try:
+        return Path(client.download_artifacts(run_id, CONFIG_ARTIFACT, tempfile.mkdtemp(prefix="ppoflow-eval-"))).read_text()
+    except Exception as error:
+        raise EvaluationSourceError(f"the training run {run_id} is not in the MLflow store {client.tracking_uri} or has no "
+                                    f"{CONFIG_ARTIFACT} ({one_line(error)}); point MLFLOW_TRACKING_URI or trainer.tracking_uri at its store") from None
+
+
+def with_val_kwargs(config: DictConfig, **values: Any) -> DictConfig:
+    changed = copy.deepcopy(config)
+    changed.actor_rollout_ref.rollout.val_kwargs.update(values)
+    return changed
+
+
+def run_evaluation(source: str, overrides: list[str] | None = None, samples: int = 8, temperature: float = 1.0) -> dict[str, Any]:
+    """Everything the evaluate flow does (see the module doc); returns the run id, source and metrics."""
+    if samples < 1 or not temperature > 0:
+        raise ValueError(f"samples={samples}, temperature={temperature}: need samples >= 1 and temperature > 0")
+    client = MlflowClient(tracking_uri(compose_config(overrides)))
+    downloads = tempfile.TemporaryDirectory(prefix="ppoflow-eval-")
+    try:
+        actor_folder, source_run_id, step = resolve_source(source, client, Path(downloads.name))
+        config = compose_config(overrides, base=source_config_yaml(client, source_run_id))
+        apply_embedded_defaults(config)
+        tokenizer = load_policy_tokenizer(config.actor_rollout_ref.model)
+        val_data = RLDataset(config.data.val_files, tokenizer, config.data, config.data.val_max_samples)
+        reward_manager = build_reward_manager(config, tokenizer, load_custom_reward_function(**config.custom_reward_function))
+
+        source_name = client.get_run(source_run_id).info.run_name
+        tracker = RunTracker(config, tags={"ppoflow.kind": "evaluate", "ppoflow.source_run_id": source_run_id, "ppoflow.source": source,
+                                           "ppoflow.source_step": str(step)}, run_name=f"{source_name}-eval")
+        view = PrefectRunView()
+        view.link_run(mlflow_run_url(tracker.uri, tracker.experiment_id, tracker.run_id), tracker.run_id, actor_folder)
+        workers = None
+        try:
+            connect(config.trainer.ray.address, num_cpus=config.trainer.ray.num_cpus)
+            workers = build_workers(config, f"ppoflow-eval-{tracker.run_id}", evaluation=True)
+            timeout = config.trainer.worker_timeout_s
+            workers.role("actor_rollout_ref").load_checkpoint(str(actor_folder), timeout_s=timeout, stage="load_checkpoint")
+            stage_workers = step_workers(workers, timeout)
+            greedy = run_validation(with_val_kwargs(config, n=1, do_sample=False), stage_workers, val_data, reward_manager)
+            sampled = run_validation(with_val_kwargs(config, n=samples, do_sample=True, temperature=temperature), stage_workers, val_data, reward_manager)
+            metrics = {**greedy, **{f"sampled/{key}": value for key, value in sampled.items()}}
+            tracker.log_step(step, metrics)
+            view.log(f"evaluated {source} (run {source_run_id}, step {step}): " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
+            tracker.finish()
+        except BaseException as error:
+            tracker.fail(error)
+            raise
+        finally:
+            if workers is not None:
+                workers.kill()
+        return {"tracking_uri": tracker.uri, "run_id": tracker.run_id, "source_run_id": source_run_id, "step": step, "metrics": metrics}
+    finally:
+        downloads.cleanup()
+
+
+@flow(name="ppoflow-evaluate")
+def evaluate(source: str, overrides: list[str] | None = None, samples: int = 8, temperature: float = 1.0) -> Any:
+    """Evaluate ``source`` (a global_step_N checkpoint folder or ``models:/<name>/<version>``) greedily and with
+    ``samples`` sampled responses per prompt at ``temperature``; ``overrides`` change the training run's config
+    (e.g. ``data.val_files=...``). Returns the MLflow run id and the metrics."""
+    try:
+        return run_evaluation(source, overrides, samples, temperature)
+    except Exception as error:
+        return Failed(message=one_line(error), data=error)
