@@ -7,20 +7,30 @@ actor (together, in the fused ``actor_rollout_ref`` role), then the reward model
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 from omegaconf import DictConfig
 
 from infra.resource_pool import ResourcePool, smallest_node_cpus
-from infra.worker_group import WorkerGroup
+from infra.worker_group import WorkerGroup, placement_group_prefix
 from rl_core.ppo_step import StepWorkers, use_critic, use_reference
 from rl_core.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
 
 PREFIX = "workers"
+NAMESPACE_PREFIX = "ppoflow-run-"
 
 
-def role_specs(config: DictConfig) -> dict:
-    policy_role = "actor_rollout_ref" if use_reference(config) else "actor_rollout"
+def run_namespace(run_id: str) -> str:
+    """The Ray namespace of a training run's workers (named after its MLflow run: stable across controllers)."""
+    return f"{NAMESPACE_PREFIX}{run_id}"
+
+
+def role_specs(config: DictConfig, evaluation: bool = False) -> dict:
+    """Roles of the run's workers; an ``evaluation`` needs only the policy (and the reward model)."""
+    policy_role = "actor_rollout_ref" if use_reference(config) and not evaluation else "actor_rollout"
     specs = {"actor_rollout_ref": (ActorRolloutRefWorker, (config.actor_rollout_ref, policy_role), {})}
-    if use_critic(config):
+    if use_critic(config) and not evaluation:
         specs["critic"] = (CriticWorker, (config.critic,), {})
     if config.reward_model.enable:
         specs["reward_model"] = (RewardModelWorker, (config.reward_model,), {})
@@ -38,9 +48,10 @@ def resource_pool(config: DictConfig) -> ResourcePool:
                         accelerator="GPU" if trainer.device == "cuda" else None, cpus_per_worker=cpus)
 
 
-def build_workers(config: DictConfig, namespace: str) -> WorkerGroup:
+def build_workers(config: DictConfig, namespace: str, evaluation: bool = False) -> WorkerGroup:
     """A fresh worker group with every model loaded (critic -> ref + actor -> reward model)."""
-    group = WorkerGroup.create(resource_pool(config), role_specs(config), prefix=PREFIX, namespace=namespace, timeout_s=config.trainer.worker_timeout_s)
+    group = WorkerGroup.create(resource_pool(config), role_specs(config, evaluation), prefix=PREFIX, namespace=namespace,
+                               timeout_s=config.trainer.worker_timeout_s)
     timeout = config.trainer.worker_timeout_s
     try:
         for role in ("critic", "actor_rollout_ref", "reward_model"):
@@ -63,9 +74,68 @@ def reattach_workers(config: DictConfig, namespace: str) -> WorkerGroup | None:
         return None
 
 
+def weights_at(group: WorkerGroup, trainer_state: dict, timeout: float) -> bool:
+    """True when every rank's weights are those of the checkpoint whose ``trainer_state`` is given: each role has done
+    exactly the checkpoint's updates and begun no other (a controller that died between a checkpoint and the next
+    update). Then a reattached group needs no reload."""
+    expected = trainer_state.get("worker_steps")
+    return expected is not None and all(report["steps_trained"] == expected and report["updates_started"] == expected
+                                        for report in group.health(timeout))
+
+
 def step_workers(group: WorkerGroup, timeout_s: float) -> StepWorkers:
     """The group's roles as the PPO step calls them (each call waits at most ``timeout_s``)."""
     def role(name: str):
         return group.role(name, timeout_s) if name in group.roles else None
 
     return StepWorkers(actor=role("actor_rollout_ref"), critic=role("critic"), reward_model=role("reward_model"), world_size=group.world_size)
+
+
+# ---------------------------------------------------------------------------------------------- the cluster's worker groups
+@dataclass
+class WorkerGroupInfo:
+    run_id: str
+    ranks: int
+    pids: list[int]          # empty when the workers are busy (a call is running) and did not answer
+    age_s: float | None
+    resources: dict[str, float]
+    run_status: str = "?"    # the MLflow run's status, when a tracking store is given
+
+
+def worker_groups(tracking_uri: str | None = None, timeout_s: float = 5.0) -> list[WorkerGroupInfo]:
+    """Every training run's worker group on the connected cluster: ranks, pids, age, the resources it holds."""
+    import ray
+    from mlflow.tracking import MlflowClient
+
+    names_by_namespace: dict[str, list[str]] = {}
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["namespace"].startswith(NAMESPACE_PREFIX) and actor["name"].startswith(f"{PREFIX}-rank"):
+            names_by_namespace.setdefault(actor["namespace"], []).append(actor["name"])
+    placement_groups = ray.util.placement_group_table().values()
+    client = MlflowClient(tracking_uri) if tracking_uri else None
+    groups = []
+    for namespace, names in sorted(names_by_namespace.items()):
+        refs = [ray.get_actor(name, namespace=namespace).health.remote() for name in sorted(names)]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        reports = [ray.get(ref) for ref in ready]
+        resources: dict[str, float] = {}
+        prefix = f"{placement_group_prefix(namespace, PREFIX)}-"
+        for group in placement_groups:
+            if group.get("name", "").startswith(prefix) and group.get("state") != "REMOVED":
+                for bundle in group["bundles"].values():
+                    for key, amount in bundle.items():
+                        resources[key] = resources.get(key, 0.0) + amount
+        info = WorkerGroupInfo(namespace.removeprefix(NAMESPACE_PREFIX), len(names), sorted(r["pid"] for r in reports),
+                               time.time() - min(r["started_at"] for r in reports) if reports else None, resources)
+        if client is not None:
+            try:
+                info.run_status = client.get_run(info.run_id).info.status
+            except Exception:
+                info.run_status = "UNKNOWN"
+        groups.append(info)
+    return groups
+
+
+def kill_worker_group(run_id: str) -> int:
+    """End a training run's workers and free their placement groups; returns how many workers were killed."""
+    return WorkerGroup.kill_named(PREFIX, run_namespace(run_id))

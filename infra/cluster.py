@@ -41,6 +41,9 @@ def _stay_on_loopback() -> None:
     Config.initialize("")
 
 
+_embedded = False  # whether connect() started the cluster in this process (it ends with the process)
+
+
 class ClusterUnreachableError(ConnectionError):
     """The configured Ray address does not answer."""
 
@@ -60,9 +63,11 @@ def _check_reachable(address: str, timeout_s: float) -> None:
 
 def connect(address: str | None = None, namespace: str | None = None, num_cpus: int | None = None, timeout_s: float = 10.0) -> str:
     """Join the cluster at ``address`` (else RAY_ADDRESS), or start a local one on 127.0.0.1; returns the GCS address."""
+    global _embedded
     if ray.is_initialized():
         return ray.get_runtime_context().gcs_address
     address = address or os.environ.get("RAY_ADDRESS") or None
+    _embedded = not address or address == "local"
     if address and address != "local":
         if address != "auto":
             _check_reachable(address, timeout_s)
@@ -75,6 +80,11 @@ def connect(address: str | None = None, namespace: str | None = None, num_cpus: 
             os.environ.setdefault(key, value)
         ray.init(num_cpus=num_cpus, namespace=namespace, include_dashboard=False, log_to_driver=False)
     return ray.get_runtime_context().gcs_address
+
+
+def is_persistent() -> bool:
+    """True when this process joined a cluster that outlives it (not the embedded one :func:`connect` started)."""
+    return ray.is_initialized() and not _embedded
 
 
 def start_local_head(port: int, num_cpus: int | None = None, resources: str | None = None) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +37,7 @@ class FusedWorkerBase:
 
     def __init__(self, role_specs: dict[str, RoleSpec]):
         self.roles = {role: cls(*args, **kwargs) for role, (cls, args, kwargs) in role_specs.items()}
+        self.started_at = time.time()
 
     def master_address(self) -> tuple[str, int]:
         """This node's address and a free port, for rank 0 to host the process group's rendezvous."""
@@ -53,10 +55,12 @@ class FusedWorkerBase:
         init_distributed_from_env()
 
     def health(self) -> dict[str, Any]:
-        """Liveness and where the weights are: rank, pid, and each role's number of updates."""
+        """Liveness and where the weights are: rank, pid, start time, and each role's number of updates done and begun
+        (they differ while an update runs, or after one failed half-way: the weights then match no checkpoint)."""
         return {"rank": int(os.environ.get("RANK", 0)), "world_size": int(os.environ.get("WORLD_SIZE", 1)), "pid": os.getpid(),
-                "node": os.environ.get("PPOFLOW_NODE", ""),
-                "steps_trained": {role: getattr(obj, "steps_trained", None) for role, obj in self.roles.items()}}
+                "node": os.environ.get("PPOFLOW_NODE", ""), "started_at": self.started_at,
+                "steps_trained": {role: getattr(obj, "steps_trained", None) for role, obj in self.roles.items()},
+                "updates_started": {role: getattr(obj, "updates_started", None) for role, obj in self.roles.items()}}
 
 
 def fused_worker_class(role_specs: dict[str, RoleSpec]) -> type:

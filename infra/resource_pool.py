@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import ray
+from ray._raylet import PlacementGroupID
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
 
@@ -81,7 +82,8 @@ def remove_placement_groups(name_prefix: str) -> int:
     removed = 0
     for group_id, info in ray.util.placement_group_table().items():
         if info.get("name", "").startswith(name_prefix) and info.get("state") != "REMOVED":
-            remove_placement_group(ray.util.get_placement_group(info["name"]))
+            # by id: a name is only found from the namespace of the driver that made the group (a dead controller's)
+            remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(group_id))))
             removed += 1
     return removed
 

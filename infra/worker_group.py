@@ -39,6 +39,11 @@ class WorkerTimeoutError(TimeoutError):
     group is unusable until it is rebuilt; a retry on the same workers would queue behind the stale call."""
 
 
+def placement_group_prefix(namespace: str, prefix: str) -> str:
+    """The group's placement groups are named after its namespace too: killing one run's group frees only its own."""
+    return f"{namespace}.{prefix}"
+
+
 class WorkerGroup:
     def __init__(self, actors: list[Any], names: list[str], role_specs: dict[str, RoleSpec], namespace: str, prefix: str):
         self.actors, self.names, self.namespace, self.prefix = actors, names, namespace, prefix
@@ -56,7 +61,7 @@ class WorkerGroup:
         """Start one fused worker per bundle of ``pool`` and join them in a process group. The pool's placement
         groups are created here, named after ``prefix`` (so that :meth:`kill` finds them after a reattach)."""
         if not pool.placement_groups:
-            pool.create(prefix, timeout_s)
+            pool.create(placement_group_prefix(namespace, prefix), timeout_s)
         remote_class = ray.remote(fused_worker_class(role_specs))
         world, actors, names = pool.world_size, [], []
         share = 1.0 / pool.max_colocate_count
@@ -152,7 +157,7 @@ class WorkerGroup:
                 break
             ray.kill(actor, no_restart=True)
             killed, rank = killed + 1, rank + 1
-        remove_placement_groups(f"{prefix}-")
+        remove_placement_groups(f"{placement_group_prefix(namespace, prefix)}-")
         return killed
 
     def kill(self) -> None:
@@ -162,7 +167,7 @@ class WorkerGroup:
                 ray.kill(actor, no_restart=True)
             except Exception:  # already dead
                 pass
-        remove_placement_groups(f"{self.prefix}-")
+        remove_placement_groups(f"{placement_group_prefix(self.namespace, self.prefix)}-")
 
 
 class RoleView:

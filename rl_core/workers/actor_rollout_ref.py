@@ -65,7 +65,8 @@ class ActorRolloutRefWorker:
         self.rollout_config = config.rollout
         self.module: torch.nn.Module | None = None
         self.ref_module: torch.nn.Module | None = None
-        self.steps_trained = 0
+        self.steps_trained = 0    # updates done
+        self.updates_started = 0  # updates begun: more than steps_trained while (or after a failure in) an update
 
     # ------------------------------------------------------------------ set-up
     @dispatch(ONE_TO_ALL)
@@ -126,6 +127,7 @@ class ActorRolloutRefWorker:
         this update's own log-probs, detached (one epoch, one mini-batch: the same numbers), and the entropy metric
         that ``compute_log_prob`` reports comes from here."""
         self._require(self.is_actor, "update_actor", "actor")
+        self.updates_started += 1
         actor = self.actor_config
         n = int(self.rollout_config.n)
         loss_fn = get_policy_loss_fn(actor.policy_loss.loss_mode)
@@ -187,7 +189,7 @@ class ActorRolloutRefWorker:
         self._require(self.is_actor, "load_checkpoint", "actor")
         extra = load_trainable(folder, self.module, self.optimizer, self.lr_scheduler)
         set_rng_state(extra["rng"])
-        self.steps_trained = int(extra["steps_trained"])
+        self.steps_trained = self.updates_started = int(extra["steps_trained"])
 
     # ------------------------------------------------------------------ helpers
     def _micro_log_probs(self, module: torch.nn.Module, micro: Batch, temperature: float, calculate_entropy: bool):

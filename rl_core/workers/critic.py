@@ -24,7 +24,8 @@ class CriticWorker:
     def __init__(self, config: Any):
         self.config = config
         self.model_config = config.model
-        self.steps_trained = 0
+        self.steps_trained = 0    # updates done
+        self.updates_started = 0  # updates begun (see ActorRolloutRefWorker)
 
     @dispatch(ONE_TO_ALL)
     def init_model(self) -> None:
@@ -50,6 +51,7 @@ class CriticWorker:
     @dispatch(DP_COMPUTE)
     def update_critic(self, batch: Batch) -> Batch:
         """Value-loss updates on ``batch`` (needs values, returns, response_mask); one LR-scheduler step."""
+        self.updates_started += 1
         config = self.config
         n = int(config.rollout_n)
         loss_agg_mode = config.loss_agg_mode
@@ -81,4 +83,4 @@ class CriticWorker:
 
     @dispatch(ONE_TO_ALL)
     def load_checkpoint(self, folder: str | Path) -> None:
-        self.steps_trained = int(load_trainable(folder, self.module, self.optimizer, self.lr_scheduler)["steps_trained"])
+        self.steps_trained = self.updates_started = int(load_trainable(folder, self.module, self.optimizer, self.lr_scheduler)["steps_trained"])

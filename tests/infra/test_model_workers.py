@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from flows.workers import weights_at
 from infra.resource_pool import ResourcePool
 from infra.worker_group import WorkerGroup
 from rl_core.batch import Batch
@@ -85,9 +86,15 @@ def test_actor_critic_and_ref_fused_in_one_process(ray_address, worker_env, fixe
         ref = actor.compute_ref_log_prob(batch).tensors["ref_log_prob"]
         mask = batch.tensors["response_mask"].bool()
         assert torch.allclose(ref[mask], batch.tensors["ref_log_prob"][mask], atol=1e-5)
+        at_start = {"worker_steps": {"actor_rollout_ref": 0, "critic": 0}}
+        assert weights_at(group, at_start, timeout=30)  # a checkpoint taken now would need no reload
         assert "critic/vf_loss" in critic.update_critic(batch).meta_info["metrics"]
+        assert not weights_at(group, at_start, timeout=30)  # the critic moved past it
         assert "actor/pg_loss" in actor.update_actor(batch).meta_info["metrics"]
-        assert group.health()[0]["steps_trained"] == {"actor_rollout_ref": 1, "critic": 1}
+        report = group.health()[0]
+        assert report["steps_trained"] == report["updates_started"] == {"actor_rollout_ref": 1, "critic": 1}
+        assert weights_at(group, {"worker_steps": {"actor_rollout_ref": 1, "critic": 1}}, timeout=30)
+        assert not weights_at(group, {"global_step": 1}, timeout=30)  # a checkpoint from before this was recorded
     finally:
         group.kill()
 

@@ -1,0 +1,212 @@
+"""The persistent local stack behind ``ppoflow up / down / status``: a Prefect server, an MLflow tracking server and a
+Ray head, all on 127.0.0.1, their data in one folder.
+
+``up`` starts each service as its own process group (so that ``down`` stops exactly what ``up`` started, and
+nothing else), records them in ``$PPOFLOW_HOME/stack.json`` (default ``~/.ppoflow``) and waits until each
+answers; run again, it starts only what is not answering. ``down`` stops the recorded groups (data kept).
+``ppoflow train`` uses the stack when it answers, through the three environment variables of :meth:`Stack.env`.
+
+Choices measured elsewhere (../shared/DESIGN.md): MLflow's server with one worker and job execution off (else
+~2.4 GiB and 25 s to start); Prefect's UI needs ``PREFECT_UI_API_URL`` on a port other than 4200; Ray with
+token authentication, on loopback (infra/cluster.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+from infra.cluster import LOCAL_CLUSTER_ENV, LOOPBACK_ENV
+
+HOST = "127.0.0.1"
+DEFAULT_PORTS = {"prefect": 4200, "mlflow": 5000, "ray": 6379}
+START_TIMEOUT_S = 180.0
+
+
+def stack_home() -> Path:
+    return Path(os.environ.get("PPOFLOW_HOME", "~/.ppoflow")).expanduser()
+
+
+def state_file() -> Path:
+    return stack_home() / "stack.json"
+
+
+@dataclass
+class Service:
+    name: str
+    pid: int        # the leader of the service's own process group
+    port: int
+    url: str
+    log: str
+
+    def alive(self) -> bool:
+        try:
+            os.killpg(self.pid, 0)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+
+    def answers(self, timeout_s: float = 3.0) -> bool:
+        if self.name == "ray":
+            return port_open(self.port, timeout_s)
+        path = "/api/health" if self.name == "prefect" else "/health"
+        try:
+            return httpx.get(self.url.rstrip("/").removesuffix("/api") + path, timeout=timeout_s).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+
+@dataclass
+class Stack:
+    data_dir: str
+    services: dict[str, Service] = field(default_factory=dict)
+
+    def env(self) -> dict[str, str]:
+        """What a shell (or ``ppoflow train``) needs to use the stack."""
+        return {"PREFECT_API_URL": self.services["prefect"].url, "MLFLOW_TRACKING_URI": self.services["mlflow"].url,
+                "RAY_ADDRESS": f"{HOST}:{self.services['ray'].port}"}
+
+    def save(self) -> None:
+        path = state_file()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = path.with_suffix(".tmp")
+        staging.write_text(json.dumps(asdict(self), indent=1))
+        os.replace(staging, path)
+
+    @classmethod
+    def load(cls) -> Stack | None:
+        path = state_file()
+        if not path.exists():
+            return None
+        raw = json.loads(path.read_text())
+        return cls(raw["data_dir"], {name: Service(**service) for name, service in raw["services"].items()})
+
+
+def port_open(port: int, timeout_s: float = 1.0) -> bool:
+    try:
+        socket.create_connection((HOST, port), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
+def _tool(name: str) -> str:
+    return shutil.which(name, path=os.path.dirname(sys.executable)) or name
+
+
+def service_command(name: str, port: int, data: Path) -> tuple[list[str], dict[str, str], str]:
+    """(command, extra environment, URL) of one service, its data under ``data``."""
+    if name == "prefect":
+        url = f"http://{HOST}:{port}/api"
+        env = {"PREFECT_HOME": str(data / "prefect"), "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{data / 'prefect' / 'prefect.db'}",
+               "PREFECT_UI_API_URL": url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_API_URL": url}
+        return [_tool("prefect"), "server", "start", "--host", HOST, "--port", str(port)], env, url
+    if name == "mlflow":
+        command = [_tool("mlflow"), "server", "--host", HOST, "--port", str(port), "--workers", "1",
+                   "--backend-store-uri", f"sqlite:///{data / 'mlflow.db'}", "--artifacts-destination", str(data / "mlartifacts")]
+        return command, {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}, f"http://{HOST}:{port}"
+    if name == "ray":
+        command = [_tool("ray"), "start", "--head", "--block", f"--node-ip-address={HOST}", f"--port={port}",
+                   "--include-dashboard=false", "--disable-usage-stats"]
+        return command, {**LOOPBACK_ENV, **LOCAL_CLUSTER_ENV}, f"ray://{HOST}:{port}"
+    raise KeyError(name)
+
+
+def start_service(name: str, port: int, data: Path) -> Service:
+    if port_open(port):
+        raise RuntimeError(f"port {port} on {HOST} is taken by another program: stop it, or give ppoflow up --{name}-port another port")
+    command, env, url = service_command(name, port, data)
+    logs = data / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    log = logs / f"{name}.log"
+    with open(log, "ab") as output:
+        process = subprocess.Popen(command, env={**os.environ, **env}, stdout=output, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, start_new_session=True, cwd=data)
+    return Service(name, process.pid, port, url, str(log))
+
+
+def wait_until_answering(services: list[Service], timeout_s: float = START_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    for service in services:
+        while not service.answers():
+            if not service.alive():
+                raise RuntimeError(f"{service.name} exited while starting; its log: {service.log}\n{_tail(service.log)}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{service.name} did not answer on port {service.port} within {timeout_s:.0f}s; its log: {service.log}")
+            time.sleep(0.5)
+
+
+def _tail(path: str, lines: int = 15) -> str:
+    return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+
+
+def up(data_dir: str | Path | None = None, ports: dict[str, int] | None = None) -> tuple[Stack, list[str]]:
+    """Start what is not running (idempotent); returns the stack and the names of the services started now."""
+    existing = Stack.load()
+    data = Path(data_dir or (existing.data_dir if existing else stack_home() / "data")).expanduser().resolve()
+    data.mkdir(parents=True, exist_ok=True)
+    stack = Stack(str(data))
+    wanted = {**DEFAULT_PORTS, **(ports or {})}
+    started: list[Service] = []
+    try:
+        for name, port in wanted.items():
+            service = existing.services.get(name) if existing else None
+            if service is not None and service.alive() and service.answers():
+                stack.services[name] = service
+                continue
+            if service is not None and service.alive():  # running but not answering: replace it
+                stop_service(service)
+            stack.services[name] = start_service(name, port, data)
+            started.append(stack.services[name])
+        stack.save()
+        wait_until_answering(started)
+    except BaseException:
+        for service in started:
+            stop_service(service)
+        if existing is None:
+            state_file().unlink(missing_ok=True)
+        raise
+    return stack, [service.name for service in started]
+
+
+def stop_service(service: Service, timeout_s: float = 30.0) -> None:
+    """SIGTERM to the service's process group, SIGKILL to what remains after ``timeout_s``."""
+    for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(service.pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait
+        while service.alive() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if not service.alive():
+            return
+
+
+def down() -> list[str]:
+    """Stop the recorded services (their data stays); returns their names."""
+    stack = Stack.load()
+    if stack is None:
+        return []
+    for service in stack.services.values():
+        stop_service(service)
+    state_file().unlink(missing_ok=True)
+    return list(stack.services)
+
+
+def active_stack() -> Stack | None:
+    """The recorded stack when every service answers, else None."""
+    stack = Stack.load()
+    if stack is None or set(stack.services) != set(DEFAULT_PORTS):
+        return None
+    return stack if all(service.answers(timeout_s=2.0) for service in stack.services.values()) else None

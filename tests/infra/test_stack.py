@@ -1,0 +1,69 @@
+"""``ppoflow up / status / down`` on loopback: real Prefect, MLflow and Ray servers, started and stopped by the test
+(PPOFLOW_HOME in a temporary folder), and a training run that uses them."""
+
+import json
+import os
+import subprocess
+import sys
+
+import httpx
+import pytest
+from mlflow.tracking import MlflowClient
+
+from infra.stack import port_open
+from tests.conftest import ROOT, free_port, small_run_overrides
+
+
+def ppoflow(env: dict, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def process_group_alive(pid: int) -> bool:
+    try:
+        os.killpg(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+@pytest.fixture()
+def stack_env(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
+    env["PPOFLOW_HOME"] = str(tmp_path / "home")
+    yield env
+    ppoflow(env, "down", timeout=120)  # whatever happened in the test
+
+
+def test_up_status_train_down(stack_env, tmp_path, demo_cache):
+    ports = {"prefect": free_port(), "mlflow": free_port(), "ray": free_port()}
+    started = ppoflow(stack_env, "up", "--prefect-port", str(ports["prefect"]), "--mlflow-port", str(ports["mlflow"]), "--ray-port", str(ports["ray"]))
+    assert started.returncode == 0, started.stdout + started.stderr
+    state = json.loads((tmp_path / "home" / "stack.json").read_text())
+    services = state["services"]
+    assert {name: s["port"] for name, s in services.items()} == ports
+    assert f"export PREFECT_API_URL=http://127.0.0.1:{ports['prefect']}/api" in started.stdout
+    assert httpx.get(f"http://127.0.0.1:{ports['prefect']}/api/health").status_code == 200
+    assert httpx.get(f"http://127.0.0.1:{ports['mlflow']}/health").status_code == 200
+    assert port_open(ports["ray"])
+    status = ppoflow(stack_env, "status", timeout=60)
+    assert status.returncode == 0 and status.stdout.count("running, answers") == 3
+    again = ppoflow(stack_env, "up")  # idempotent: nothing new
+    assert again.returncode == 0 and again.stdout.count("already running") == 3
+    assert json.loads((tmp_path / "home" / "stack.json").read_text())["services"] == services
+
+    # a training run uses the stack: its Ray head, its MLflow server, its Prefect server
+    overrides = small_run_overrides(tmp_path, demo_cache, "trainer.total_training_steps=1", "trainer.test_freq=-1")
+    trained = ppoflow(stack_env, "train", *overrides, timeout=600)
+    assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
+    assert trained.stdout.splitlines()[0].startswith("ppoflow train: using the ppoflow stack")
+    result = json.loads(trained.stdout.strip().splitlines()[-1])
+    assert result["tracking_uri"] == f"http://127.0.0.1:{ports['mlflow']}"
+    assert MlflowClient(result["tracking_uri"]).get_run(result["run_id"]).info.status == "FINISHED"
+    flow_runs = httpx.post(f"http://127.0.0.1:{ports['prefect']}/api/flow_runs/filter", json={}).json()
+    assert [run["name"] for run in flow_runs] and all(run["state_type"] == "COMPLETED" for run in flow_runs)
+
+    stopped = ppoflow(stack_env, "down", timeout=120)
+    assert stopped.returncode == 0 and "stopped prefect, mlflow, ray" in stopped.stdout
+    assert not any(process_group_alive(s["pid"]) for s in services.values())
+    assert not any(port_open(port) for port in ports.values())
+    assert ppoflow(stack_env, "status", timeout=60).returncode == 1
