@@ -65,6 +65,17 @@ def wait_final(client, flow_run_id, timeout_s: float = 300):
         time.sleep(1)
 
 
+def flow_run_logs(client, flow_run_id, until, timeout_s: float = 60) -> list[str]:
+    """The flow run's log messages, once ``until(messages)`` holds (logs reach the API in batches, shortly after the
+    run's final state) or after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        messages = [entry.message for entry in client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))]
+        if until(messages) or time.monotonic() > deadline:
+            return messages
+        time.sleep(1)
+
+
 def test_the_deployments_and_their_forms(served):
     _, found, _ = served
     train = found["train"]
@@ -100,7 +111,7 @@ def test_a_run_from_the_form_trains_and_shows_its_progress_in_prefect(served, tm
     assert (params["algorithm.adv_estimator"], float(params["actor_rollout_ref.actor.optim.lr"]), params["trainer.experiment_name"]) == ("rloo", 2e-5, "from-the-form")
     assert run.info.status == "FINISHED" and run.data.metrics["training/global_step"] == 2
     # the Prefect UI's view: per-step lines in the Logs tab, the MLflow link, the checkpoints, the progress
-    logs = [entry.message for entry in client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run.id])))]
+    logs = flow_run_logs(client, flow_run.id, until=lambda lines: any(m.startswith("step 2/2 | score") for m in lines))
     assert any(m.startswith("step 1/2 | score") for m in logs) and any(m.startswith("step 2/2 | score") and "| val " in m for m in logs)
     artifacts = {a.key: a for a in client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id])))}
     assert run.info.run_id in artifacts["mlflow-run"].data and artifacts["mlflow-run"].type == "markdown"  # a link renders as markdown
