@@ -113,9 +113,11 @@ def _train(args: argparse.Namespace) -> int:
     except ConfigError as error:
         print(f"ppoflow train: {error}", file=sys.stderr)
         return 2
+    from flows.secrets import hide_secret_overrides
     from flows.train import summary_line, train
 
-    result = train.with_options(retries=args.retries, retry_delay_seconds=5)(overrides=args.overrides)
+    overrides = hide_secret_overrides(args.overrides)  # a secret override never becomes a stored flow-run parameter
+    result = train.with_options(retries=args.retries, retry_delay_seconds=5)(overrides=overrides)
     print(summary_line(result))
     return 0
 

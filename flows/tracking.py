@@ -1,7 +1,7 @@
 """MLflow tracking of one training run, through an explicit client and run id (the fluent API is thread-local).
 
 * one run per training run: experiment = ``trainer.project_name``, run name = ``trainer.experiment_name``;
-* params = the flattened config (once; values of keys that look like secrets are redacted), the composed YAML
+* params = the flattened config (once; secrets redacted, see flows/secrets.py), the composed YAML (redacted too)
   as an artifact;
 * each step's metrics in ONE ``log_batch`` call (names as :func:`metric_key` makes them), with ``training/global_step`` as the step's marker: a resumed
   run asks MLflow which steps are already there and does not log them again (no duplicated, no missing step);
@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import time
@@ -22,6 +23,7 @@ from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
 from flows.config import flatten
+from flows.secrets import redacted
 from rl_core.config import TrainerConfig
 
 STEP_MARKER = "training/global_step"
@@ -32,7 +34,6 @@ def metric_key(name: str) -> str:
     """MLflow's form of a verl metric name: ``@`` (not allowed in MLflow) becomes ``_at_`` as in verl's MLflow
     logger, so ``val-core/<ds>/acc/mean@4`` is logged as ``val-core/<ds>/acc/mean_at_4``."""
     return INVALID_METRIC_CHARS.sub("_", name.replace("@", "_at_"))
-SECRET_KEY = re.compile(r"(token|secret|password|api_key|credential)", re.IGNORECASE)
 
 
 DEFAULT_TRACKING_URI = TrainerConfig.tracking_uri
@@ -40,6 +41,19 @@ DEFAULT_TRACKING_URI = TrainerConfig.tracking_uri
 
 def tracking_uri(config: DictConfig) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or config.trainer.tracking_uri
+
+
+def open_store(uri: str) -> MlflowClient:
+    """A client of the store at ``uri``. A new SQLite store is created (its schema migrated) under a file lock, so
+    that two runs starting at once on a fresh ``mlflow.db`` do not both migrate it."""
+    client = MlflowClient(uri)
+    if uri.startswith("sqlite:///"):
+        lock_path = Path(uri.removeprefix("sqlite:///")).expanduser().resolve().with_suffix(".db.lock")
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(lock_path, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            client.search_experiments(max_results=1)
+    return client
 
 
 def experiment_id(client: MlflowClient, config: DictConfig) -> str:
@@ -55,25 +69,27 @@ class RunTracker:
     """A new run (with the config as params and ``tags`` besides ``ppoflow.status``), or the existing ``run_id``."""
 
     def __init__(self, config: DictConfig, run_id: str | None = None, tags: dict[str, str] | None = None, run_name: str | None = None):
-        self.client = MlflowClient(tracking_uri(config))
         self.uri = tracking_uri(config)
+        self.client = open_store(self.uri)
         if run_id is None:
             run = self.client.create_run(experiment_id(self.client, config), run_name=run_name or config.trainer.experiment_name,
                                          tags={**(tags or {}), "ppoflow.status": "running"})
             self.run_id = run.info.run_id
             self._log_config(config)
+            self.active = True
         else:
             self.run_id = run_id
             run = self.client.get_run(run_id)  # fails clearly when the run does not exist
-            self.client.update_run(run_id, status="RUNNING")
+            self.active = False  # a resumed run's status changes only once the restore succeeded: mark_running()
         self.experiment_id = run.info.experiment_id
         self.last_logged_step = max((m.step for m in self.client.get_metric_history(self.run_id, STEP_MARKER)), default=-1)
 
     def _log_config(self, config: DictConfig) -> None:
-        params = [Param(key, "***" if SECRET_KEY.search(key) else str(value)[:6000]) for key, value in flatten(config).items()]
+        safe = redacted(config)  # no secret in params or in the YAML (flows/secrets.py)
+        params = [Param(key, str(value)[:6000]) for key, value in flatten(safe).items()]
         for start in range(0, len(params), 100):
             self.client.log_batch(self.run_id, params=params[start : start + 100])
-        self.client.log_text(self.run_id, OmegaConf.to_yaml(config), "config/ppo_trainer.yaml")
+        self.client.log_text(self.run_id, OmegaConf.to_yaml(safe), "config/ppo_trainer.yaml")
 
     def log_step(self, step: int, metrics: dict[str, float]) -> bool:
         """Log a step's metrics in one call; False (and nothing logged) when MLflow has the step already."""
@@ -104,10 +120,17 @@ class RunTracker:
             self.client.create_model_version(register_as, source=source, run_id=self.run_id)
         return source
 
+    def mark_running(self) -> None:
+        """A resumed run continues (its checkpoint restored): RUNNING again."""
+        self.client.update_run(self.run_id, status="RUNNING")
+        self.active = True
+
     def fail(self, error: BaseException) -> None:
-        """The run ended by ``error``: FAILED, with the error in the ``ppoflow.error`` tag."""
-        self.set_tags({"ppoflow.error": f"{type(error).__name__}: {error}"[:5000]})
-        self.finish("FAILED")
+        """The run ended by ``error``: FAILED, with the error in the ``ppoflow.error`` tag. A resumed run whose restore
+        failed is left as it was."""
+        if self.active:
+            self.set_tags({"ppoflow.error": f"{type(error).__name__}: {error}"[:5000]})
+            self.finish("FAILED")
 
     def finish(self, status: str = "FINISHED") -> None:
         self.set_tags({"ppoflow.status": status.lower()})

@@ -29,6 +29,7 @@ from flows.config import compose_config
 from flows.demo import apply_embedded_defaults
 from flows.parameters import TrainSettings
 from flows.prefect_view import PrefectRunView, mlflow_run_url, one_line
+from flows.secrets import secret_overrides
 from flows.stages import prefect_stage_runner
 from flows.tracking import RunTracker, tracking_uri
 from flows.workers import build_workers, reattach_workers, run_namespace, step_workers, weights_at
@@ -64,7 +65,9 @@ def every(step: int, freq: int, last: int) -> bool:
     return freq > 0 and (step % freq == 0 or step == last)
 
 
-def resume_folder(config: DictConfig, checkpoints: StepCheckpoints) -> Path | None:
+def resume_folder(config: DictConfig, checkpoints: StepCheckpoints, log=print) -> Path | None:
+    """The checkpoint to resume from: the named one (checked intact), or the latest intact one (a damaged latest
+    checkpoint is reported and skipped), or None."""
     mode = config.trainer.resume_mode
     if mode == "disable":
         return None
@@ -72,9 +75,11 @@ def resume_folder(config: DictConfig, checkpoints: StepCheckpoints) -> Path | No
         if not config.trainer.resume_from_path:
             raise CheckpointError("trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_N folder)")
         folder = Path(config.trainer.resume_from_path)
-        checkpoints.check_complete(folder)
+        checkpoints.check_intact(folder)
         return folder
-    step = checkpoints.latest_step()
+    step, damaged = checkpoints.latest_intact()
+    for bad_step, problem in damaged:
+        log(f"checkpoint {checkpoints.step_dir(bad_step)} is damaged ({problem}): skipped")
     return None if step is None else checkpoints.step_dir(step)
 
 
@@ -157,91 +162,93 @@ def run_training(config: DictConfig, tags: dict[str, str] | None = None) -> dict
     config.actor_rollout_ref.actor.optim.total_training_steps = total
     config.critic.optim.total_training_steps = total
     checkpoints = StepCheckpoints(config.trainer.default_local_dir, config.trainer.max_ckpt_to_keep)
-    folder = resume_folder(config, checkpoints)
-
-    # --- from here on the MLflow run exists: any failure marks it FAILED and frees what this run started
-    tracker = RunTracker(config, run_id=checkpoints.trainer_state(folder)["mlflow_run_id"] if folder else None, tags=tags)
     view = PrefectRunView()
-    timeout = config.trainer.worker_timeout_s
-    run_stage = prefect_stage_runner(config.trainer.stage_retries)
-    workers: WorkerGroup | None = None
-    restarts, succeeded = 0, False
-    try:
-        if runtime.flow_run.id:  # the inspector links the MLflow run to its Prefect flow run, and the flow run to it
-            tracker.set_tags({"ppoflow.prefect_flow_run_id": runtime.flow_run.id})
-        view.link_run(mlflow_run_url(tracker.uri, tracker.experiment_id, tracker.run_id), tracker.run_id, config.trainer.default_local_dir)
-        connect(config.trainer.ray.address, num_cpus=config.trainer.ray.num_cpus)
-        namespace = run_namespace(tracker.run_id)  # keyed by the training run: the next controller of this run finds them
-        workers = reattach_workers(config, namespace) if folder else None
-        reuse_weights = workers is not None and weights_at(workers, checkpoints.trainer_state(folder), timeout)
-        if workers is not None:
-            view.log(f"reattached to the run's {workers.world_size} live worker(s): "
-                     + ("their weights are the checkpoint's, nothing to reload" if reuse_weights else "reloading their weights from the checkpoint"))
-        else:
-            workers = build_workers(config, namespace)
-        tracker.set_tags({"ppoflow.worker_pids": ",".join(str(r["pid"]) for r in workers.health(timeout))})
-        stage_workers = step_workers(workers, timeout)
-        if folder:
-            restore(workers, folder, progress, checkpoints, timeout, load_weights=not reuse_weights)
-            view.log(f"resumed from {folder} (step {progress.global_step}), MLflow run {tracker.run_id}")
-        if config.trainer.val_before_train and progress.global_step == 0 and config.trainer.test_freq > 0:
-            start_metrics = run_validation(config, stage_workers, val_data, reward_manager)
-            tracker.log_step(0, start_metrics)
-            view.log(console_line(0, total, start_metrics, 0.0))
-        val_metrics: dict[str, float] = {}
-        # --- the training loop
-        while progress.global_step < total:
-            step = progress.global_step + 1
-            started = time.perf_counter()
-            try:
-                batch, metrics = run_ppo_step(config, stage_workers, train_data, progress.sampler, reward_manager,
-                                              progress.kl_controller, step, run_stage)
-                if every(step, config.trainer.test_freq, total):
-                    val_metrics = run_validation(config, stage_workers, val_data, reward_manager)
-                    metrics.update(val_metrics)
-                seconds = time.perf_counter() - started
-                tokens = float(batch.tensors["attention_mask"].sum())
-                metrics.update({"perf/time_per_step": seconds, "perf/total_num_tokens": tokens,
-                                "perf/throughput": tokens / seconds / workers.world_size, "training/epoch": float(progress.sampler.epoch)})
-                progress.global_step = step
-                if tracker.log_step(step, metrics) and every(step, config.trainer.log_samples_freq, total):
-                    tracker.log_samples(step, samples_table(batch, tokenizer, config.trainer.num_logged_samples))
-                if every(step, config.trainer.save_freq, total):
-                    save_checkpoint(workers, checkpoints, progress, tracker, timeout)
-                view.log(console_line(step, total, metrics, seconds))
-                latest_val = validation_summary(val_metrics)
-                view.progress(step, total, f"score {metrics.get('critic/score/mean', 0):.3f}" + (f" | val {latest_val}" if latest_val else ""),
-                              force=step == total or step == 1)
-            except (WorkerDiedError, WorkerTimeoutError) as error:  # the group is unusable: rebuild it
-                if restarts >= config.trainer.max_worker_restarts:
-                    raise
-                restarts += 1
-                view.log(f"{error} -> rebuilding the worker group (restart {restarts}/{config.trainer.max_worker_restarts})")
-                tracker.set_tags({"ppoflow.worker_restarts": restarts})
-                workers.kill()
-                workers = build_workers(config, namespace)
-                tracker.set_tags({"ppoflow.worker_pids": ",".join(str(r["pid"]) for r in workers.health(timeout))})
-                stage_workers = step_workers(workers, timeout)
-                progress = fresh_progress()
-                latest = checkpoints.latest_step()
-                if latest is not None:
-                    restore(workers, checkpoints.step_dir(latest), progress, checkpoints, timeout)
+    with checkpoints.locked({"run": config.trainer.experiment_name}):  # one run at a time in a checkpoint folder
+        folder = resume_folder(config, checkpoints, view.log)
 
-        # --- the final policy: the last checkpoint's actor as an HF-format MLflow model
-        if checkpoints.latest_step() != total:
-            save_checkpoint(workers, checkpoints, progress, tracker, timeout)
-        final_dir = checkpoints.step_dir(total)
-        tracker.log_final_model(final_dir / "actor", config.trainer.register_model_name)
-        tracker.finish()
-        succeeded = True
-        return {"tracking_uri": tracking_uri(config), "run_id": tracker.run_id, "step": progress.global_step,
-                "checkpoint_dir": str(final_dir.resolve()), "val_metrics": val_metrics}
-    except BaseException as error:
-        tracker.fail(error)
-        raise
-    finally:
-        if workers is not None and (succeeded or not keeps_workers_on_failure(config)):
-            workers.kill()
+        # --- from here on the MLflow run exists: any failure marks it FAILED and frees what this run started
+        tracker = RunTracker(config, run_id=checkpoints.trainer_state(folder)["mlflow_run_id"] if folder else None, tags=tags)
+        timeout = config.trainer.worker_timeout_s
+        run_stage = prefect_stage_runner(config.trainer.stage_retries)
+        workers: WorkerGroup | None = None
+        restarts, succeeded = 0, False
+        try:
+            if runtime.flow_run.id:  # the inspector links the MLflow run to its Prefect flow run, and the flow run to it
+                tracker.set_tags({"ppoflow.prefect_flow_run_id": runtime.flow_run.id})
+            view.link_run(mlflow_run_url(tracker.uri, tracker.experiment_id, tracker.run_id), tracker.run_id, config.trainer.default_local_dir)
+            connect(config.trainer.ray.address, num_cpus=config.trainer.ray.num_cpus)
+            namespace = run_namespace(tracker.run_id)  # keyed by the training run: the next controller of this run finds them
+            workers = reattach_workers(config, namespace) if folder else None
+            reuse_weights = workers is not None and weights_at(workers, checkpoints.trainer_state(folder), timeout)
+            if workers is not None:
+                view.log(f"reattached to the run's {workers.world_size} live worker(s): "
+                         + ("their weights are the checkpoint's, nothing to reload" if reuse_weights else "reloading their weights from the checkpoint"))
+            else:
+                workers = build_workers(config, namespace)
+            tracker.set_tags({"ppoflow.worker_pids": ",".join(str(r["pid"]) for r in workers.health(timeout))})
+            stage_workers = step_workers(workers, timeout)
+            if folder:
+                restore(workers, folder, progress, checkpoints, timeout, load_weights=not reuse_weights)
+                tracker.mark_running()
+                view.log(f"resumed from {folder} (step {progress.global_step}), MLflow run {tracker.run_id}")
+            if config.trainer.val_before_train and progress.global_step == 0 and config.trainer.test_freq > 0:
+                start_metrics = run_validation(config, stage_workers, val_data, reward_manager)
+                tracker.log_step(0, start_metrics)
+                view.log(console_line(0, total, start_metrics, 0.0))
+            val_metrics: dict[str, float] = {}
+            # --- the training loop
+            while progress.global_step < total:
+                step = progress.global_step + 1
+                started = time.perf_counter()
+                try:
+                    batch, metrics = run_ppo_step(config, stage_workers, train_data, progress.sampler, reward_manager,
+                                                  progress.kl_controller, step, run_stage)
+                    if every(step, config.trainer.test_freq, total):
+                        val_metrics = run_validation(config, stage_workers, val_data, reward_manager)
+                        metrics.update(val_metrics)
+                    seconds = time.perf_counter() - started
+                    tokens = float(batch.tensors["attention_mask"].sum())
+                    metrics.update({"perf/time_per_step": seconds, "perf/total_num_tokens": tokens,
+                                    "perf/throughput": tokens / seconds / workers.world_size, "training/epoch": float(progress.sampler.epoch)})
+                    progress.global_step = step
+                    if tracker.log_step(step, metrics) and every(step, config.trainer.log_samples_freq, total):
+                        tracker.log_samples(step, samples_table(batch, tokenizer, config.trainer.num_logged_samples))
+                    if every(step, config.trainer.save_freq, total):
+                        save_checkpoint(workers, checkpoints, progress, tracker, timeout)
+                    view.log(console_line(step, total, metrics, seconds))
+                    latest_val = validation_summary(val_metrics)
+                    view.progress(step, total, f"score {metrics.get('critic/score/mean', 0):.3f}" + (f" | val {latest_val}" if latest_val else ""),
+                                  force=step == total or step == 1)
+                except (WorkerDiedError, WorkerTimeoutError) as error:  # the group is unusable: rebuild it
+                    if restarts >= config.trainer.max_worker_restarts:
+                        raise
+                    restarts += 1
+                    view.log(f"{error} -> rebuilding the worker group (restart {restarts}/{config.trainer.max_worker_restarts})")
+                    tracker.set_tags({"ppoflow.worker_restarts": restarts})
+                    workers.kill()
+                    workers = build_workers(config, namespace)
+                    tracker.set_tags({"ppoflow.worker_pids": ",".join(str(r["pid"]) for r in workers.health(timeout))})
+                    stage_workers = step_workers(workers, timeout)
+                    progress = fresh_progress()
+                    latest = checkpoints.latest_step()
+                    if latest is not None:
+                        restore(workers, checkpoints.step_dir(latest), progress, checkpoints, timeout)
+
+            # --- the final policy: the last checkpoint's actor as an HF-format MLflow model
+            if checkpoints.latest_step() != total:
+                save_checkpoint(workers, checkpoints, progress, tracker, timeout)
+            final_dir = checkpoints.step_dir(total)
+            tracker.log_final_model(final_dir / "actor", config.trainer.register_model_name)
+            tracker.finish()
+            succeeded = True
+            return {"tracking_uri": tracking_uri(config), "run_id": tracker.run_id, "step": progress.global_step,
+                    "checkpoint_dir": str(final_dir.resolve()), "val_metrics": val_metrics}
+        except BaseException as error:
+            tracker.fail(error)
+            raise
+        finally:
+            if workers is not None and (succeeded or not keeps_workers_on_failure(config)):
+                workers.kill()
 
 
 def keeps_workers_on_failure(config: DictConfig) -> bool:
@@ -254,8 +261,9 @@ def keeps_workers_on_failure(config: DictConfig) -> bool:
 
 
 def training_overrides(settings: TrainSettings | None, overrides: list[str] | None) -> list[str]:
-    """The Hydra overrides a run composes its config from: the form's fields, then the free list (which wins)."""
-    return (settings.to_overrides() if settings else []) + list(overrides or [])
+    """The Hydra overrides a run composes its config from: the form's fields, then the free list (which wins), then
+    the secret ones the command line kept out of the flow run's parameters (flows/secrets.py)."""
+    return (settings.to_overrides() if settings else []) + list(overrides or []) + secret_overrides()
 
 
 @flow(name="ppoflow-train")

@@ -79,7 +79,15 @@ def connect(address: str | None = None, namespace: str | None = None, num_cpus: 
         for key, value in LOCAL_CLUSTER_ENV.items():
             os.environ.setdefault(key, value)
         ray.init(num_cpus=num_cpus, namespace=namespace, include_dashboard=False, log_to_driver=False)
+    secure_auth_token()
     return ray.get_runtime_context().gcs_address
+
+
+def secure_auth_token() -> None:
+    """Ray writes its token file readable by everyone (0644): make it the owner's only."""
+    path = os.path.expanduser(os.environ.get("RAY_AUTH_TOKEN_PATH", "~/.ray/auth_token"))
+    if os.path.isfile(path) and os.stat(path).st_mode & 0o077:
+        os.chmod(path, 0o600)
 
 
 def is_persistent() -> bool:
@@ -99,6 +107,7 @@ def start_local_head(port: int, num_cpus: int | None = None, resources: str | No
     # token auth needs a token before the head starts; this creates ~/.ray/auth_token when there is none
     # (its output, the token, is not printed)
     subprocess.run([ray_cli, "get-auth-token", "--generate"], check=True, capture_output=True, env=env)
+    secure_auth_token()
     started = subprocess.run(command, capture_output=True, text=True, env=env)
     if started.returncode != 0:
         raise RuntimeError(f"`ray start --head` on 127.0.0.1:{port} failed: {started.stderr.strip().splitlines()[-1] if started.stderr.strip() else started.returncode}")

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from infra.cluster import LOCAL_CLUSTER_ENV, LOOPBACK_ENV
+from infra.cluster import LOCAL_CLUSTER_ENV, LOOPBACK_ENV, secure_auth_token
 
 HOST = "127.0.0.1"
 DEFAULT_PORTS = {"prefect": 4200, "mlflow": 5000, "ray": 6379}
@@ -170,6 +170,7 @@ def up(data_dir: str | Path | None = None, ports: dict[str, int] | None = None) 
             started.append(stack.services[name])
         stack.save()
         wait_until_answering(started)
+        secure_auth_token()
     except BaseException:
         for service in started:
             stop_service(service)

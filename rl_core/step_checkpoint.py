@@ -6,22 +6,68 @@ Writing is crash-safe: everything goes to ``.tmp_global_step_N/``, which is rena
 pointer file ``latest_checkpointed_iteration.txt`` is replaced atomically. A crash at any point leaves the
 previous checkpoint and pointer intact. A pointer to a missing or incomplete folder is an error, never a
 silent fresh start.
+
+Each checkpoint verifies itself: ``manifest.json`` (every file's size and SHA-256) is written last, and
+:meth:`StepCheckpoints.latest_intact` skips a damaged latest checkpoint for the newest intact one. One run at a
+time uses a folder: :meth:`StepCheckpoints.lock` holds an exclusive lock (released by the kernel when the
+process dies, even by SIGKILL) and names its holder to the second run.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import os
 import shutil
+import time
 from pathlib import Path
-from typing import Any
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, TextIO
 
 POINTER_FILE = "latest_checkpointed_iteration.txt"
 STATE_FILE = "trainer_state.json"
+MANIFEST_FILE = "manifest.json"
+LOCK_FILE = ".lock"
+
+
+def file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(folder: Path) -> None:
+    """Every file under ``folder`` with its size and SHA-256, in ``manifest.json`` (written last)."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
+    manifest = {str(p.relative_to(folder)): {"size": p.stat().st_size, "sha256": file_digest(p)} for p in files}
+    (folder / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
+
+
+def damage(folder: Path) -> str | None:
+    """What is wrong with the checkpoint ``folder`` (a missing, truncated or changed file), or None when intact.
+    A checkpoint written before manifests existed is taken as intact when its state file is there."""
+    if not (folder / STATE_FILE).is_file():
+        return f"no {STATE_FILE}"
+    manifest_path = folder / MANIFEST_FILE
+    if not manifest_path.is_file():
+        return None
+    for name, expected in json.loads(manifest_path.read_text()).items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != expected["size"]:
+            return f"{name} has {path.stat().st_size} bytes, not {expected['size']}"
+        if file_digest(path) != expected["sha256"]:
+            return f"{name} does not match its checksum"
+    return None
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint or the pointer to it is missing or incomplete."""
+    """A checkpoint or the pointer to it is missing, incomplete or damaged, or another run uses the folder."""
 
 
 class StepCheckpoints:
@@ -46,6 +92,7 @@ class StepCheckpoints:
         if not staging.is_dir():
             raise CheckpointError(f"no staged checkpoint for step {step} in {self.root}")
         (staging / STATE_FILE).write_text(json.dumps({**trainer_state, "global_step": step}, indent=1))
+        write_manifest(staging)
         final = self.step_dir(step)
         if final.exists():
             shutil.rmtree(final)
@@ -56,17 +103,84 @@ class StepCheckpoints:
         self._prune(step)
         return final
 
-    def latest_step(self) -> int | None:
-        """The step the pointer names, checked to be complete; None when there is no pointer."""
+    def pointer_step(self) -> int | None:
+        """The step the pointer names (None when there is no pointer)."""
         pointer = self.root / POINTER_FILE
         if not pointer.exists():
             return None
         text = pointer.read_text().strip()
         if not text.isdigit():
             raise CheckpointError(f"{pointer} holds {text!r}, not a step number")
-        step = int(text)
-        self.check_complete(self.step_dir(step))
+        return int(text)
+
+    def latest_step(self) -> int | None:
+        """The step the pointer names, checked to be complete; None when there is no pointer."""
+        step = self.pointer_step()
+        if step is not None:
+            self.check_complete(self.step_dir(step))
         return step
+
+    def latest_intact(self) -> tuple[int | None, list[tuple[int, str]]]:
+        """(the newest intact step, [(step, what is wrong)] of the damaged ones skipped on the way). The pointer's step
+        first; when it is damaged, the other ``global_step_N`` folders, newest first. (None, ...) when there is no
+        pointer; a CheckpointError when nothing intact is left."""
+        step = self.pointer_step()
+        if step is None:
+            return None, []
+        if not self.step_dir(step).is_dir():  # a dangling pointer is an error, never a silent step back
+            self.check_complete(self.step_dir(step))
+        others = sorted((int(p.name.removeprefix("global_step_")) for p in self.root.glob("global_step_*")
+                         if p.name.removeprefix("global_step_").isdigit()), reverse=True)
+        skipped = []
+        for candidate in [step] + [s for s in others if s < step]:
+            problem = damage(self.step_dir(candidate))
+            if problem is None:
+                return candidate, skipped
+            skipped.append((candidate, problem))
+        raise CheckpointError(f"every checkpoint in {self.root} is damaged ({'; '.join(f'global_step_{s}: {p}' for s, p in skipped)}); "
+                              f"restore one, or set trainer.resume_mode=disable to start over")
+
+    def check_intact(self, folder: Path) -> None:
+        """A CheckpointError naming the damage when ``folder`` is not a complete, intact checkpoint."""
+        self.check_complete(folder)
+        problem = damage(folder)
+        if problem:
+            try:
+                intact, _ = self.latest_intact()
+            except CheckpointError:
+                intact = None
+            hint = f" (global_step_{intact} is intact)" if intact is not None else ""
+            raise CheckpointError(f"checkpoint {folder} is damaged: {problem}; point trainer.resume_from_path at an intact global_step_N folder{hint}")
+
+    def lock(self, holder: dict[str, Any]) -> TextIO:
+        """Take the folder for this process (until the returned file is closed, or the process ends); a
+        CheckpointError naming the run that holds it otherwise. ``holder`` (run, pid, ...) is what a second run is told."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        handle = open(self.root / LOCK_FILE, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            text = handle.read().strip()
+            handle.close()
+            other = json.loads(text) if text.startswith("{") else {}
+            raise CheckpointError(f"folder {self.root} is in use by run {other.get('run', '?')} (pid {other.get('pid', '?')}, started "
+                                  f"{other.get('started', '?')}): wait for it to end, or give this run another trainer.experiment_name "
+                                  f"or trainer.default_local_dir") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(json.dumps({"pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S"), **holder}))
+        handle.flush()
+        return handle
+
+    @contextmanager
+    def locked(self, holder: dict[str, Any]) -> Iterator[None]:
+        """:meth:`lock` for the duration of a ``with`` block."""
+        handle = self.lock(holder)
+        try:
+            yield
+        finally:
+            handle.close()
 
     @staticmethod
     def check_complete(folder: Path) -> None:

@@ -1,0 +1,64 @@
+"""The pieces behind the probes, checked directly: checkpoint manifests, the folder lock, secret detection."""
+
+import json
+
+import pytest
+from omegaconf import OmegaConf
+
+from flows.secrets import is_secret_key, redacted, split_secret_overrides
+from rl_core.step_checkpoint import CheckpointError, StepCheckpoints, damage
+
+
+def make_checkpoint(checkpoints: StepCheckpoints, step: int) -> None:
+    staging = checkpoints.staging_dir(step)
+    (staging / "actor").mkdir()
+    (staging / "actor" / "model.safetensors").write_bytes(bytes(range(256)) * 4)
+    checkpoints.commit(step, {"mlflow_run_id": "r"})
+
+
+@pytest.mark.parametrize("harm, found", [
+    (lambda f: (f / "actor" / "model.safetensors").unlink(), "actor/model.safetensors is missing"),
+    (lambda f: (f / "actor" / "model.safetensors").write_bytes(b"short"), "actor/model.safetensors has 5 bytes, not 1024"),
+    (lambda f: (f / "actor" / "model.safetensors").write_bytes(bytes(1024)), "actor/model.safetensors does not match its checksum"),
+    (lambda f: (f / "trainer_state.json").unlink(), "no trainer_state.json"),
+])
+def test_damage_is_found_and_the_previous_checkpoint_used(tmp_path, harm, found):
+    checkpoints = StepCheckpoints(tmp_path, max_to_keep=3)
+    for step in (1, 2, 3):
+        make_checkpoint(checkpoints, step)
+    assert json.loads((checkpoints.step_dir(3) / "manifest.json").read_text())["actor/model.safetensors"]["size"] == 1024
+    assert checkpoints.latest_intact() == (3, [])
+    harm(checkpoints.step_dir(3))
+    assert damage(checkpoints.step_dir(3)) == found
+    assert checkpoints.latest_intact() == (2, [(3, found)])
+    harm(checkpoints.step_dir(2))
+    harm(checkpoints.step_dir(1))
+    with pytest.raises(CheckpointError, match="every checkpoint in .* is damaged"):
+        checkpoints.latest_intact()
+
+
+def test_one_holder_of_a_folder_at_a_time(tmp_path):
+    checkpoints = StepCheckpoints(tmp_path / "run")
+    with checkpoints.locked({"run": "first"}):
+        with pytest.raises(CheckpointError, match="in use by run first"):
+            checkpoints.lock({"run": "second"})
+    checkpoints.lock({"run": "second"}).close()  # free again once the first let go
+
+
+@pytest.mark.parametrize("key, secret", [("hf_token", True), ("custom_reward_function.reward_kwargs.api_key", True), ("x.apikey", True),
+                                         ("db.password", True), ("s3.secret_access_key", True), ("auth", True),
+                                         ("actor_rollout_ref.model.tokenizer_path", False), ("rollout.stop_token_ids", False),
+                                         ("data.max_response_length", False), ("reward_model.input_tokenizer", False)])
+def test_secret_keys(key, secret):
+    assert is_secret_key(key) is secret
+
+
+def test_redaction_by_key_and_by_value():
+    config = OmegaConf.create({"a": {"api_key": "abcd-1234", "url": "https://u:abcd-1234@h", "note": "hf_" + "x" * 24, "n": 3},
+                               "tokenizer_path": "/models/tok"})
+    safe = redacted(config)
+    assert OmegaConf.to_container(safe) == {"a": {"api_key": "***", "url": "https://u:***@h", "note": "***", "n": 3}, "tokenizer_path": "/models/tok"}
+    assert config.a.api_key == "abcd-1234"  # the run's own config keeps the value
+    assert split_secret_overrides(["+a.b.hf_token=x", "lr=1", "c=sk-" + "A" * 24]) == (["lr=1"], ["+a.b.hf_token=x", "c=sk-" + "A" * 24])
+    assert split_secret_overrides(["+k.api_key='abcd-1234'", "+k.url=https://u:abcd-1234@h", "+k.n=abcd"]) == (
+        ["+k.n=abcd"], ["+k.api_key='abcd-1234'", "+k.url=https://u:abcd-1234@h"])  # the key's value inside another override
