@@ -165,6 +165,10 @@ def run_training(config: DictConfig, tags: dict[str, str] | None = None) -> dict
     view = PrefectRunView()
     with checkpoints.locked({"run": config.trainer.experiment_name}):  # one run at a time in a checkpoint folder
         folder = resume_folder(config, checkpoints, view.log)
+        if folder is not None and checkpoints.trainer_state(folder)["global_step"] > total:
+            raise CheckpointError(f"{folder} is at step {checkpoints.trainer_state(folder)['global_step']}, past this run's {total} steps "
+                                  f"(trainer.total_training_steps / total_epochs): raise them to continue, or set "
+                                  f"trainer.resume_mode=disable (or another trainer.default_local_dir) to start over")
 
         # --- from here on the MLflow run exists: any failure marks it FAILED and frees what this run started
         tracker = RunTracker(config, run_id=checkpoints.trainer_state(folder)["mlflow_run_id"] if folder else None, tags=tags)

@@ -77,6 +77,10 @@ def test_a_damaged_latest_checkpoint_is_skipped_for_the_previous_one(tmp_path, d
     history = metric_history(resumed["tracking_uri"], resumed["run_id"])
     assert {step: len(values) for step, values in history["actor/pg_loss"].items()} == {1: 1, 2: 1, 3: 1, 4: 1}
     assert checkpoints.latest_intact() == (4, [])
+    # resuming with fewer steps than the checkpoint has: refused, nothing touched
+    with pytest.raises(CheckpointError, match=r"global_step_4 is at step 4, past this run's 2 steps"):
+        train(overrides=small_run_overrides(tmp_path, demo_cache, *settings, "trainer.total_training_steps=2"))
+    assert client.get_run(first["run_id"]).info.status == "FINISHED" and checkpoints.latest_intact() == (4, [])
 
 
 def test_the_ray_token_is_the_owners_only(ray_address):
