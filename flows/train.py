@@ -165,13 +165,14 @@ def run_training(config: DictConfig, tags: dict[str, str] | None = None) -> dict
     view = PrefectRunView()
     with checkpoints.locked({"run": config.trainer.experiment_name}):  # one run at a time in a checkpoint folder
         folder = resume_folder(config, checkpoints, view.log)
-        if folder is not None and checkpoints.trainer_state(folder)["global_step"] > total:
-            raise CheckpointError(f"{folder} is at step {checkpoints.trainer_state(folder)['global_step']}, past this run's {total} steps "
+        resumed_state = checkpoints.trainer_state(folder) if folder else None
+        if resumed_state is not None and resumed_state["global_step"] > total:
+            raise CheckpointError(f"{folder} is at step {resumed_state['global_step']}, past this run's {total} steps "
                                   f"(trainer.total_training_steps / total_epochs): raise them to continue, or set "
                                   f"trainer.resume_mode=disable (or another trainer.default_local_dir) to start over")
 
         # --- from here on the MLflow run exists: any failure marks it FAILED and frees what this run started
-        tracker = RunTracker(config, run_id=checkpoints.trainer_state(folder)["mlflow_run_id"] if folder else None, tags=tags)
+        tracker = RunTracker(config, run_id=resumed_state["mlflow_run_id"] if resumed_state else None, tags=tags)
         timeout = config.trainer.worker_timeout_s
         run_stage = prefect_stage_runner(config.trainer.stage_retries)
         workers: WorkerGroup | None = None
@@ -183,7 +184,7 @@ def run_training(config: DictConfig, tags: dict[str, str] | None = None) -> dict
             connect(config.trainer.ray.address, num_cpus=config.trainer.ray.num_cpus)
             namespace = run_namespace(tracker.run_id)  # keyed by the training run: the next controller of this run finds them
             workers = reattach_workers(config, namespace) if folder else None
-            reuse_weights = workers is not None and weights_at(workers, checkpoints.trainer_state(folder), timeout)
+            reuse_weights = workers is not None and weights_at(workers, resumed_state, timeout)
             if workers is not None:
                 view.log(f"reattached to the run's {workers.world_size} live worker(s): "
                          + ("their weights are the checkpoint's, nothing to reload" if reuse_weights else "reloading their weights from the checkpoint"))
