@@ -6,7 +6,11 @@ Commands import their modules lazily, so that a quick command does not pay for P
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
+import time
+import traceback
 
 
 def _list_algorithms(args: argparse.Namespace) -> int:
@@ -36,18 +40,19 @@ def _prepare_gsm8k(args: argparse.Namespace) -> int:
 
 
 def _quiet_prefect() -> None:
-    """Flow-run logs (the per-step lines) stay at INFO; Prefect's per-task-run state lines only when they warn."""
-    import os
+    """Flow-run logs (the per-step lines) stay at INFO; Prefect's per-task-run state lines only when they warn. A
+    temporary Prefect server (no PREFECT_API_URL) gets the stack's retention settings too."""
+    from infra.stack import PREFECT_RETENTION
 
     os.environ.setdefault("PREFECT_LOGGING_LOGGERS_PREFECT_TASK_RUNS_LEVEL", "WARNING")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    for key, value in PREFECT_RETENTION.items():
+        os.environ.setdefault(key, value)
 
 
 def _use_stack() -> str:
     """Point Prefect, MLflow and Ray at the local stack when ``ppoflow up`` runs one (variables already set win);
     returns a line saying which services the command uses."""
-    import os
-
     from infra.stack import active_stack
 
     stack = active_stack()
@@ -107,11 +112,12 @@ def _train(args: argparse.Namespace) -> int:
     _quiet_prefect()
     print(f"ppoflow train: using {_use_stack()}", flush=True)
     from flows.config import ConfigError, compose_config
+    from rl_core.input_checks import InputError, check_run_inputs
 
-    try:
-        compose_config(args.overrides)  # a wrong key or type: a one-line error in a second, before Prefect starts
-    except ConfigError as error:
-        print(f"ppoflow train: {error}", file=sys.stderr)
+    try:  # a wrong key, type or value, unusable data, model or reward: one line each, in a second, before Prefect starts
+        check_run_inputs(compose_config(args.overrides))
+    except (ConfigError, InputError) as error:
+        print("\n".join(f"ppoflow train: {line}" for line in str(error).splitlines()), file=sys.stderr)
         return 2
     from flows.secrets import hide_secret_overrides
     from flows.train import summary_line, train
@@ -200,8 +206,6 @@ def _render_k8s(args: argparse.Namespace) -> int:
 
 
 def _workers(args: argparse.Namespace) -> int:
-    import os
-
     _use_stack()
     address = args.address or os.environ.get("RAY_ADDRESS")
     if not address:
@@ -247,8 +251,6 @@ def _print_config(args: argparse.Namespace) -> int:
 
 def _ui(args: argparse.Namespace) -> int:
     # the command line is the entry point of every floor: the only place flows names ui
-    import os
-
     from flows.tracking import DEFAULT_TRACKING_URI
     from ui.server import Links, serve
 
@@ -260,14 +262,72 @@ def _ui(args: argparse.Namespace) -> int:
     return 0
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM: the run stops where it is, cleanly (its MLflow run KILLED, its workers freed)."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+def _stop_on_signals() -> None:
+    """The first SIGINT/SIGTERM raises :class:`Interrupted` in the main thread; a second one exits at once (the
+    watchdog then ends what the command started)."""
+    received: list[int] = []
+
+    def stop(signum: int, frame: object) -> None:
+        if received:
+            os._exit(128 + signum)
+        received.append(signum)
+        raise Interrupted(signum)
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+
+
+def _traceback_file(command: str) -> str:
+    from infra.stack import stack_home
+
+    folder = stack_home() / "logs"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{command}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    path.write_text(traceback.format_exc())
+    return str(path)
+
+
+def _run_flow_command(args: argparse.Namespace) -> int:
+    """A command that runs flows: nothing it starts outlives it (infra/watchdog.py), SIGINT/SIGTERM stop it cleanly
+    (exit 130/143), and a failure is one line (the traceback in a log file; on the console too with --verbose)."""
+    from infra import watchdog
+
+    watchdog.start()
+    _stop_on_signals()
+    try:
+        return args.flow_command(args)
+    except Interrupted as stop:
+        print(f"ppoflow {args.command}: {stop}; the run is marked KILLED and its workers were freed", file=sys.stderr)
+        return 128 + stop.signum
+    except Exception as error:
+        path = _traceback_file(args.command)
+        if args.verbose:
+            traceback.print_exc()
+        message = str(error).strip().splitlines()
+        print(f"ppoflow {args.command}: {type(error).__name__}: {message[0] if message else ''}\n(the traceback: {path}"
+              f"{'' if args.verbose else '; --verbose prints it'})", file=sys.stderr)
+        return 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ppoflow", description="RL post-training of LLMs: Prefect flows driving Ray workers, tracked in MLflow.")
     commands = parser.add_subparsers(dest="command", required=True)
-    train = commands.add_parser("train", help="run PPO/GRPO training (Hydra overrides, e.g. algorithm.adv_estimator=gae); no overrides = the embedded demo")
+    flow_options = argparse.ArgumentParser(add_help=False)
+    flow_options.add_argument("--verbose", action="store_true", help="print a failure's traceback (it is always written to "
+                              "$PPOFLOW_HOME/logs/, default ~/.ppoflow/logs/)")
+    train = commands.add_parser("train", parents=[flow_options], help="run PPO/GRPO training (Hydra overrides, e.g. algorithm.adv_estimator=gae); no overrides = the embedded demo")
     train.add_argument("overrides", nargs="*", help="Hydra overrides key=value (`ppoflow config` lists every key)")
     train.add_argument("--retries", type=int, default=0, help="Prefect flow-run retries: a failed run starts again from its latest "
                        "checkpoint, reattaching to its workers (default 0)")
-    train.set_defaults(run=_train)
+    train.set_defaults(run=_run_flow_command, flow_command=_train)
     up = commands.add_parser("up", help="start the local stack on 127.0.0.1 (Prefect server, MLflow server, Ray head); idempotent")
     up.add_argument("--data-dir", help="where the services keep their data (default $PPOFLOW_HOME/data, PPOFLOW_HOME=~/.ppoflow)")
     up.add_argument("--prefect-port", type=int, help="default 4200")
@@ -278,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     down.set_defaults(run=_down)
     status = commands.add_parser("status", help="say which services of the local stack run and answer")
     status.set_defaults(run=_status)
-    sweep = commands.add_parser("sweep", help="training runs over a Hydra grid (key=a,b) or an Optuna search, nested under one MLflow parent run and compared")
+    sweep = commands.add_parser("sweep", parents=[flow_options], help="training runs over a Hydra grid (key=a,b) or an Optuna search, nested under one MLflow parent run and compared")
     sweep.add_argument("overrides", nargs="+", help="Hydra overrides: key=a,b / range(...) vary (interval(...) for random/tpe), key=v is fixed")
     sweep.add_argument("--search", choices=["grid", "random", "tpe"], default="grid")
     sweep.add_argument("--trials", type=int, default=8, help="children of a random/tpe search (default 8)")
@@ -286,13 +346,13 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--direction", choices=["max", "min"], default="max")
     sweep.add_argument("--name", help="the sweep's name (default: from the overrides; the same name continues a sweep)")
     sweep.add_argument("--seed", type=int, default=0, help="the random/tpe sampler's seed")
-    sweep.set_defaults(run=_sweep)
-    evaluate = commands.add_parser("evaluate", help="greedy and sampled validation of a checkpoint (global_step_N) or models:/<name>/<version>, in its own MLflow run")
+    sweep.set_defaults(run=_run_flow_command, flow_command=_sweep)
+    evaluate = commands.add_parser("evaluate", parents=[flow_options], help="greedy and sampled validation of a checkpoint (global_step_N) or models:/<name>/<version>, in its own MLflow run")
     evaluate.add_argument("source", help="a global_step_N checkpoint folder (or its actor folder), or models:/<name>/<version>")
     evaluate.add_argument("overrides", nargs="*", help="Hydra overrides of the training run's config (e.g. data.val_files=...)")
     evaluate.add_argument("--samples", type=int, default=8, help="sampled responses per prompt (mean@n, pass@k)")
     evaluate.add_argument("--temperature", type=float, default=1.0)
-    evaluate.set_defaults(run=_evaluate)
+    evaluate.set_defaults(run=_run_flow_command, flow_command=_evaluate)
     serve = commands.add_parser("serve", help="serve the train, evaluate and sweep flows as deployments of the Prefect server in PREFECT_API_URL")
     serve.add_argument("--train-concurrency", type=int, default=1, help="training runs at once (default 1: one machine)")
     serve.add_argument("--train-retries", type=int, default=0, help="flow-run retries of a failed training run (from its latest checkpoint)")

@@ -8,17 +8,24 @@ artifact is made.
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 from prefect import runtime
 from prefect.artifacts import create_link_artifact, create_progress_artifact, update_progress_artifact
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, TaskRunFilter, TaskRunFilterStartTime
 from prefect.exceptions import MissingContextError
 from prefect.logging import get_run_logger
+from prefect.logging.loggers import PrefectLogAdapter
 
 DEFAULT_MLFLOW_UI_URL = "http://127.0.0.1:5000"
 PROGRESS_EVERY_S = 5.0  # the progress artifact is updated at most this often (each update is an API call)
+PRUNE_EVERY_STEPS = 50  # old task runs are deleted in batches of this many steps
 
 
 def mlflow_run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
@@ -38,7 +45,11 @@ def one_line(error: BaseException) -> str:
 class PrefectRunView:
     """The training run as its Prefect flow run shows it."""
 
-    def __init__(self) -> None:
+    def __init__(self, history_steps: int = -1) -> None:
+        """``history_steps``: keep the task runs of the last this many steps (-1: all), see :meth:`step_started`."""
+        self.history_steps = history_steps
+        self.step_starts: dict[int, datetime] = {}
+        self.pruner: TaskRunPruner | None = None
         try:
             self.logger = get_run_logger()
         except MissingContextError:
@@ -52,6 +63,35 @@ class PrefectRunView:
             print(line, flush=True)
         else:
             self.logger.info(line)
+
+    def failure(self, error: BaseException) -> None:
+        """The run failed: its cause in one line wherever the lines go, the traceback in the flow run's Logs tab only
+        (``prefect.extra`` sends to the API, not to the console; the command line prints it with --verbose)."""
+        if self.logger is None:
+            return  # called without Prefect: the caller gets the exception itself
+        self.logger.error(f"training failed: {one_line(error)}")
+        PrefectLogAdapter(logging.getLogger("prefect.extra"), extra=self.logger.extra).error("the failure's traceback", exc_info=error)
+
+    def step_started(self, step: int) -> None:
+        """Step ``step`` begins. Every PRUNE_EVERY_STEPS steps, the task runs that this flow run started before step
+        ``step - history_steps`` are deleted from Prefect, off the step's path (:class:`TaskRunPruner`): ~6-8 task runs
+        of ~3 states each per step would otherwise grow its database by tens of KB per step, without bound."""
+        if not self.in_flow_run or self.history_steps < 0:
+            return
+        self.step_starts[step] = datetime.now(timezone.utc)
+        oldest_kept = step - self.history_steps
+        if oldest_kept <= 1 or oldest_kept % PRUNE_EVERY_STEPS or oldest_kept not in self.step_starts:
+            return
+        if self.pruner is None:
+            self.pruner = TaskRunPruner(runtime.flow_run.id)
+            self.pruner.start()
+        self.pruner.prune_before(self.step_starts[oldest_kept])
+        self.step_starts = {s: t for s, t in self.step_starts.items() if s >= oldest_kept}
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """The run is over: let the pruning catch up (at most ``timeout_s``)."""
+        if self.pruner is not None:
+            self.pruner.close(timeout_s)
 
     def link_run(self, mlflow_url: str, run_id: str, checkpoint_dir: str | Path) -> None:
         if not self.in_flow_run:
@@ -74,3 +114,55 @@ class PrefectRunView:
         else:
             update_progress_artifact(self.progress_id, percent, description=description)
         self.last_progress = time.monotonic()
+
+
+
+class TaskRunPruner(threading.Thread):
+    """Deletes a flow run's task runs that started before the latest cutoff it was given, in the background."""
+
+    def __init__(self, flow_run_id: str):
+        super().__init__(daemon=True, name="ppoflow-task-run-pruner")
+        self.flow_run_id = flow_run_id
+        self.cutoff: datetime | None = None
+        self.wake = threading.Event()
+        self.stopping = False
+
+    def prune_before(self, cutoff: datetime) -> None:
+        self.cutoff = cutoff
+        self.wake.set()
+
+    def close(self, timeout_s: float) -> None:
+        self.stopping = True
+        self.wake.set()
+        self.join(timeout_s)
+
+    def run(self) -> None:
+        done = None
+        while True:
+            self.wake.wait()
+            self.wake.clear()
+            cutoff = self.cutoff
+            if cutoff is not None and cutoff != done:
+                delete_task_runs_before(self.flow_run_id, cutoff)
+                done = cutoff
+            if self.stopping and self.cutoff == done:
+                return
+
+
+def delete_task_runs_before(flow_run_id: str, cutoff: datetime) -> int:
+    """Delete the task runs of ``flow_run_id`` that started before ``cutoff`` (their states go with them); returns
+    how many. Errors are logged, not raised: pruning never fails a run."""
+    deleted = 0
+    try:
+        with get_client(sync_client=True) as client:
+            while True:
+                task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+                                                  task_run_filter=TaskRunFilter(start_time=TaskRunFilterStartTime(before_=cutoff)), limit=200)
+                for task_run in task_runs:
+                    client.delete_task_run(task_run.id)
+                deleted += len(task_runs)
+                if len(task_runs) < 200:
+                    return deleted
+    except Exception as error:  # the API is away or busy: the next batch tries again
+        logging.getLogger("ppoflow").warning("could not delete old task runs of flow run %s: %s", flow_run_id, error)
+    return deleted

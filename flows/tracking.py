@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
@@ -63,6 +64,20 @@ def experiment_id(client: MlflowClient, config: DictConfig) -> str:
         return experiment.experiment_id
     location = Path(config.trainer.artifact_location).expanduser().resolve().as_uri()
     return client.create_experiment(config.trainer.project_name, artifact_location=location)
+
+
+def mark_killed(uri: str, run_id: str, reason: str) -> bool:
+    """A run left RUNNING by a controller that was killed: KILLED, with ``reason`` in ``ppoflow.error``; False when
+    the run is not RUNNING (it ended, or was never made)."""
+    client = open_store(uri)
+    try:
+        if client.get_run(run_id).info.status != "RUNNING":
+            return False
+    except MlflowException:
+        return False
+    client.log_batch(run_id, tags=[RunTag("ppoflow.error", reason), RunTag("ppoflow.status", "killed")])
+    client.set_terminated(run_id, status="KILLED")
+    return True
 
 
 class RunTracker:
@@ -125,12 +140,13 @@ class RunTracker:
         self.client.update_run(self.run_id, status="RUNNING")
         self.active = True
 
-    def fail(self, error: BaseException) -> None:
-        """The run ended by ``error``: FAILED, with the error in the ``ppoflow.error`` tag. A resumed run whose restore
-        failed is left as it was."""
+    def fail(self, error: BaseException, killed: bool = False) -> None:
+        """The run ended by ``error``: FAILED, or KILLED (``killed``: it was told to stop), with the error in the
+        ``ppoflow.error`` tag. A resumed run whose restore failed is left as it was."""
         if self.active:
-            self.set_tags({"ppoflow.error": f"{type(error).__name__}: {error}"[:5000]})
-            self.finish("FAILED")
+            detail = str(error) or (f"signal {error.signal}" if hasattr(error, "signal") else "")  # Prefect's TerminationSignal has no message
+            self.set_tags({"ppoflow.error": f"{type(error).__name__}: {detail}"[:5000]})
+            self.finish("KILLED" if killed else "FAILED")
 
     def finish(self, status: str = "FINISHED") -> None:
         self.set_tags({"ppoflow.status": status.lower()})

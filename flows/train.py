@@ -23,6 +23,7 @@ from typing import Any
 from omegaconf import DictConfig
 from prefect import flow, runtime
 from prefect.context import FlowRunContext
+from prefect.exceptions import TerminationSignal
 from prefect.states import Failed
 
 from flows.config import compose_config
@@ -31,7 +32,7 @@ from flows.parameters import TrainSettings
 from flows.prefect_view import PrefectRunView, mlflow_run_url, one_line
 from flows.secrets import secret_overrides
 from flows.stages import prefect_stage_runner
-from flows.tracking import RunTracker, tracking_uri
+from flows.tracking import RunTracker, mark_killed, tracking_uri
 from flows.workers import build_workers, reattach_workers, run_namespace, step_workers, weights_at
 from infra.cluster import connect, is_persistent
 from infra.worker_group import WorkerDiedError, WorkerGroup, WorkerTimeoutError
@@ -39,6 +40,7 @@ from rl_core.algos.kl import get_kl_controller
 from rl_core.batch import Batch
 from rl_core.data.dataset import RLDataset
 from rl_core.data.sampler import ResumableSampler
+from rl_core.input_checks import check_run_inputs
 from rl_core.models.loading import load_policy_tokenizer
 from rl_core.ppo_step import resolved_total_steps, run_ppo_step, run_validation
 from rl_core.reward.custom import load_custom_reward_function
@@ -148,6 +150,7 @@ def run_training(config: DictConfig, tags: dict[str, str] | None = None) -> dict
     ``tags`` go on a new MLflow run (a sweep's child carries ``mlflow.parentRunId``)."""
     # --- set-up that cannot leave anything behind: assets, data, reward (a bad input fails here, before any run exists)
     apply_embedded_defaults(config)
+    check_run_inputs(config)  # every problem of the data, model and reward at once, in a second
     tokenizer = load_policy_tokenizer(config.actor_rollout_ref.model)
     train_data = RLDataset(config.data.train_files, tokenizer, config.data, config.data.train_max_samples)
     val_data = RLDataset(config.data.val_files, tokenizer, config.data, config.data.val_max_samples)
@@ -162,8 +165,8 @@ def run_training(config: DictConfig, tags: dict[str, str] | None = None) -> dict
     config.actor_rollout_ref.actor.optim.total_training_steps = total
     config.critic.optim.total_training_steps = total
     checkpoints = StepCheckpoints(config.trainer.default_local_dir, config.trainer.max_ckpt_to_keep)
-    view = PrefectRunView()
-    with checkpoints.locked({"run": config.trainer.experiment_name}):  # one run at a time in a checkpoint folder
+    view = PrefectRunView(config.trainer.prefect_history_steps)
+    with checkpoints.locked({"run": config.trainer.experiment_name}) as folder_lock:  # one run at a time in a checkpoint folder
         folder = resume_folder(config, checkpoints, view.log)
         resumed_state = checkpoints.trainer_state(folder) if folder else None
         if resumed_state is not None and resumed_state["global_step"] > total:
@@ -173,10 +176,13 @@ def run_training(config: DictConfig, tags: dict[str, str] | None = None) -> dict
 
         # --- from here on the MLflow run exists: any failure marks it FAILED and frees what this run started
         tracker = RunTracker(config, run_id=resumed_state["mlflow_run_id"] if resumed_state else None, tags=tags)
+        folder_lock.describe(mlflow_run_id=tracker.run_id, tracking_uri=tracker.uri)
+        if folder_lock.previous:
+            report_killed_controller(folder_lock.previous, tracker.run_id, checkpoints.root, view.log)
         timeout = config.trainer.worker_timeout_s
         run_stage = prefect_stage_runner(config.trainer.stage_retries)
         workers: WorkerGroup | None = None
-        restarts, succeeded = 0, False
+        restarts = 0
         try:
             if runtime.flow_run.id:  # the inspector links the MLflow run to its Prefect flow run, and the flow run to it
                 tracker.set_tags({"ppoflow.prefect_flow_run_id": runtime.flow_run.id})
@@ -205,6 +211,7 @@ def run_training(config: DictConfig, tags: dict[str, str] | None = None) -> dict
             while progress.global_step < total:
                 step = progress.global_step + 1
                 started = time.perf_counter()
+                view.step_started(step)
                 try:
                     batch, metrics = run_ppo_step(config, stage_workers, train_data, progress.sampler, reward_manager,
                                                   progress.kl_controller, step, run_stage)
@@ -245,24 +252,46 @@ def run_training(config: DictConfig, tags: dict[str, str] | None = None) -> dict
             final_dir = checkpoints.step_dir(total)
             tracker.log_final_model(final_dir / "actor", config.trainer.register_model_name)
             tracker.finish()
-            succeeded = True
-            return {"tracking_uri": tracking_uri(config), "run_id": tracker.run_id, "step": progress.global_step,
-                    "checkpoint_dir": str(final_dir.resolve()), "val_metrics": val_metrics}
         except BaseException as error:
-            tracker.fail(error)
-            raise
-        finally:
-            if workers is not None and (succeeded or not keeps_workers_on_failure(config)):
+            tracker.fail(error, killed=told_to_stop(error))
+            if workers is not None and not keeps_workers_on_failure(config, error):
                 workers.kill()
+            view.close(timeout_s=5)
+            raise
+        workers.kill()
+        view.close()
+        return {"tracking_uri": tracking_uri(config), "run_id": tracker.run_id, "step": progress.global_step,
+                "checkpoint_dir": str(final_dir.resolve()), "val_metrics": val_metrics}
 
 
-def keeps_workers_on_failure(config: DictConfig) -> bool:
+def keeps_workers_on_failure(config: DictConfig, error: BaseException | None) -> bool:
     """``trainer.keep_workers`` (unset: yes on a persistent cluster, no on the embedded one, which ends with this
-    process anyway), or a Prefect retry of this flow run is still to come (it reattaches to them)."""
+    process anyway, nor after an interrupt: the user asked to stop), or a Prefect retry of this flow run is still to
+    come (it reattaches to them)."""
     context = FlowRunContext.get()
     retry_pending = context is not None and (runtime.flow_run.run_count or 1) <= (context.flow.retries or 0)
     keep = config.trainer.keep_workers
-    return (is_persistent() if keep is None else bool(keep)) or retry_pending
+    if keep is None:
+        keep = is_persistent() and not told_to_stop(error)
+    return bool(keep) or retry_pending
+
+
+def told_to_stop(error: BaseException | None) -> bool:
+    """SIGINT (KeyboardInterrupt) or SIGTERM (Prefect turns it into TerminationSignal inside a flow run; a cancelled
+    deployment run gets one too): the run was stopped on purpose."""
+    return isinstance(error, (KeyboardInterrupt, TerminationSignal))
+
+
+def report_killed_controller(holder: dict[str, Any], run_id: str, folder: Path, log=print) -> None:
+    """The checkpoint folder's lock still named ``holder``: its controller was killed before it let go. Its MLflow run
+    is marked KILLED, unless it is ``run_id``, the run this controller continues."""
+    killed_run = holder.get("mlflow_run_id")
+    if killed_run == run_id:
+        log(f"the previous controller of MLflow run {run_id} (pid {holder.get('pid')}, started {holder.get('started')}) was killed; continuing the run")
+    elif killed_run and mark_killed(holder.get("tracking_uri") or "", killed_run,
+                                    f"its controller (pid {holder.get('pid')}, started {holder.get('started')}) was killed; "
+                                    f"found by the next run in {folder}"):
+        log(f"MLflow run {killed_run} in {folder} was left RUNNING by a killed controller (pid {holder.get('pid')}): marked KILLED")
 
 
 def training_overrides(settings: TrainSettings | None, overrides: list[str] | None) -> list[str]:
@@ -284,8 +313,7 @@ def train(settings: TrainSettings = TrainSettings(), overrides: list[str] | None
     try:
         return run_training(config, tags)
     except Exception as error:
-        if view.logger is not None:
-            view.logger.exception("training failed")
+        view.failure(error)
         return Failed(message=one_line(error), data=error)
 
 

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import threading
 
 import ray
 
@@ -68,6 +70,8 @@ def connect(address: str | None = None, namespace: str | None = None, num_cpus: 
         return ray.get_runtime_context().gcs_address
     address = address or os.environ.get("RAY_ADDRESS") or None
     _embedded = not address or address == "local"
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    sigterm_handler = signal.getsignal(signal.SIGTERM) if on_main_thread else None
     if address and address != "local":
         if address != "auto":
             _check_reachable(address, timeout_s)
@@ -78,7 +82,11 @@ def connect(address: str | None = None, namespace: str | None = None, num_cpus: 
         _stay_on_loopback()
         for key, value in LOCAL_CLUSTER_ENV.items():
             os.environ.setdefault(key, value)
-        ray.init(num_cpus=num_cpus, namespace=namespace, include_dashboard=False, log_to_driver=False)
+        # address="local": a cluster of this process's own, even when another one runs on the machine (ray.init()
+        # without an address would join that one, and this run would take it for its own)
+        ray.init(address="local", num_cpus=num_cpus, namespace=namespace, include_dashboard=False, log_to_driver=False)
+    if callable(sigterm_handler):  # ray.init replaces it with an immediate exit; the command's own stops cleanly
+        signal.signal(signal.SIGTERM, sigterm_handler)
     secure_auth_token()
     return ray.get_runtime_context().gcs_address
 

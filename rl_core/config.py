@@ -310,6 +310,8 @@ class TrainerConfig:
                                       # the embedded one (a pending Prefect flow-run retry keeps them too)
     worker_timeout_s: float = 600.0   # every remote call's timeout
     stage_retries: int = 1            # retries of idempotent stages (generate, log-probs, values) on transient errors
+    prefect_history_steps: int = 1000  # the flow run keeps the stage task runs of its last N steps in Prefect (older ones
+                                      # are deleted: Prefect's database stays bounded on long runs); -1 = keep all
     tracking_uri: str = "sqlite:///mlflow.db"  # MLFLOW_TRACKING_URI wins when set
     artifact_location: str = "mlartifacts"
     cache_dir: str = ".ppoflow"       # the embedded demo model and data are built here once

@@ -10,7 +10,8 @@ silent fresh start.
 Each checkpoint verifies itself: ``manifest.json`` (every file's size and SHA-256) is written last, and
 :meth:`StepCheckpoints.latest_intact` skips a damaged latest checkpoint for the newest intact one. One run at a
 time uses a folder: :meth:`StepCheckpoints.lock` holds an exclusive lock (released by the kernel when the
-process dies, even by SIGKILL) and names its holder to the second run.
+process dies, even by SIGKILL) and names its holder to the second run; a holder still named in the lock file
+when the next run takes it died without letting go (killed).
 """
 
 from __future__ import annotations
@@ -68,6 +69,33 @@ def damage(folder: Path) -> str | None:
 
 class CheckpointError(RuntimeError):
     """A checkpoint or the pointer to it is missing, incomplete or damaged, or another run uses the folder."""
+
+
+def _holder(handle: TextIO) -> dict[str, Any]:
+    handle.seek(0)
+    text = handle.read().strip()
+    return json.loads(text) if text.startswith("{") else {}
+
+
+class FolderLock:
+    """A checkpoint folder held by this process. The lock file names the holder while it runs and is emptied on
+    release, so a holder found there by the next run (``previous``) is one that died without releasing (SIGKILL)."""
+
+    def __init__(self, handle: TextIO, previous: dict[str, Any] | None):
+        self.handle, self.previous, self.holder = handle, previous, {}
+
+    def describe(self, **holder: Any) -> None:
+        """Add to what the lock file says about its holder (e.g. the MLflow run, once it exists)."""
+        self.holder.update(holder)
+        self.handle.seek(0)
+        self.handle.truncate()
+        self.handle.write(json.dumps(self.holder, default=str))
+        self.handle.flush()
+
+    def release(self) -> None:
+        self.handle.seek(0)
+        self.handle.truncate()
+        self.handle.close()
 
 
 class StepCheckpoints:
@@ -152,35 +180,31 @@ class StepCheckpoints:
             hint = f" (global_step_{intact} is intact)" if intact is not None else ""
             raise CheckpointError(f"checkpoint {folder} is damaged: {problem}; point trainer.resume_from_path at an intact global_step_N folder{hint}")
 
-    def lock(self, holder: dict[str, Any]) -> TextIO:
-        """Take the folder for this process (until the returned file is closed, or the process ends); a
-        CheckpointError naming the run that holds it otherwise. ``holder`` (run, pid, ...) is what a second run is told."""
+    def lock(self, holder: dict[str, Any]) -> FolderLock:
+        """Take the folder for this process (until :meth:`FolderLock.release`, or the process ends); a CheckpointError
+        naming the run that holds it otherwise. ``holder`` (run, pid, ...) is what a second run is told."""
         self.root.mkdir(parents=True, exist_ok=True)
         handle = open(self.root / LOCK_FILE, "a+")
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            handle.seek(0)
-            text = handle.read().strip()
+            other = _holder(handle)
             handle.close()
-            other = json.loads(text) if text.startswith("{") else {}
             raise CheckpointError(f"folder {self.root} is in use by run {other.get('run', '?')} (pid {other.get('pid', '?')}, started "
                                   f"{other.get('started', '?')}): wait for it to end, or give this run another trainer.experiment_name "
                                   f"or trainer.default_local_dir") from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(json.dumps({"pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S"), **holder}))
-        handle.flush()
-        return handle
+        folder_lock = FolderLock(handle, previous=_holder(handle) or None)
+        folder_lock.describe(pid=os.getpid(), started=time.strftime("%Y-%m-%d %H:%M:%S"), **holder)
+        return folder_lock
 
     @contextmanager
-    def locked(self, holder: dict[str, Any]) -> Iterator[None]:
+    def locked(self, holder: dict[str, Any]) -> Iterator[FolderLock]:
         """:meth:`lock` for the duration of a ``with`` block."""
-        handle = self.lock(holder)
+        folder_lock = self.lock(holder)
         try:
-            yield
+            yield folder_lock
         finally:
-            handle.close()
+            folder_lock.release()
 
     @staticmethod
     def check_complete(folder: Path) -> None:

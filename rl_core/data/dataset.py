@@ -51,6 +51,35 @@ def read_rows(path: str | Path) -> list[dict]:
     raise DatasetError(f"{path}: unsupported file type {path.suffix!r}; use .parquet or .jsonl")
 
 
+def peek_rows(path: str | Path, count: int) -> tuple[int, list[dict]]:
+    """(number of rows, the first ``count`` rows) of a .parquet or .jsonl file without reading it all (a parquet
+    file's row count is in its footer; a jsonl file's lines are counted, not parsed)."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise DatasetError(f"{path}: no such dataset file")
+    if path.suffix == ".parquet":
+        try:
+            source = pq.ParquetFile(path)
+            first = next(source.iter_batches(batch_size=count), None)
+        except Exception as error:  # pyarrow's own errors: not a parquet file, truncated, ...
+            raise DatasetError(f"{path}: not a readable parquet file ({type(error).__name__}: {error})") from None
+        return source.metadata.num_rows, first.to_pylist() if first is not None else []
+    if path.suffix in (".jsonl", ".json"):
+        rows, total = [], 0
+        with path.open() as handle:
+            for number, line in enumerate(handle):
+                if not line.strip():
+                    continue
+                total += 1
+                if len(rows) < count:
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as error:
+                        raise DatasetError(f"{path}: line {number + 1} is not valid JSON ({error})") from error
+        return total, rows
+    raise DatasetError(f"{path}: unsupported file type {path.suffix!r}; use .parquet or .jsonl")
+
+
 def write_rows(rows: list[dict], path: str | Path) -> Path:
     """Write rows as parquet (``.parquet``) or JSON lines (``.jsonl``)."""
     import pyarrow as pa

@@ -18,6 +18,8 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from rl_core.models.folder import ModelLoadError, local_model_path
+
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 # (auto_map key, transformers auto class name) in the order they are tried; classes missing from this
@@ -27,25 +29,6 @@ GENERATIVE_AUTO_CLASSES = (
     ("AutoModelForVision2Seq", "AutoModelForVision2Seq"),
     ("AutoModelForImageTextToText", "AutoModelForImageTextToText"),
 )
-
-
-class ModelLoadError(ValueError):
-    """A model or tokenizer could not be loaded; the message names the setting and the fix."""
-
-
-def local_model_path(path: str | None, setting: str = "actor_rollout_ref.model.path") -> Path:
-    """The checkpoint folder, expanded; a clear error when it is missing (nothing is downloaded)."""
-    if not path:
-        raise ModelLoadError(f"{setting} is not set; point it at a local Hugging Face checkpoint folder")
-    folder = Path(path).expanduser()
-    if not folder.is_dir():
-        raise ModelLoadError(
-            f"{setting}={path!r}: no such folder. ppoflow loads local checkpoints only; download the model first "
-            f"(e.g. `huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct --local-dir {path}`) or fix the path"
-        )
-    if not (folder / "config.json").is_file():
-        raise ModelLoadError(f"{setting}={path!r} has no config.json; it is not a Hugging Face checkpoint folder")
-    return folder
 
 
 def import_external_lib(module_name: str | None) -> None:

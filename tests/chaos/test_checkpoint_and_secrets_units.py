@@ -42,7 +42,7 @@ def test_one_holder_of_a_folder_at_a_time(tmp_path):
     with checkpoints.locked({"run": "first"}):
         with pytest.raises(CheckpointError, match="in use by run first"):
             checkpoints.lock({"run": "second"})
-    checkpoints.lock({"run": "second"}).close()  # free again once the first let go
+    checkpoints.lock({"run": "second"}).release()  # free again once the first let go
 
 
 @pytest.mark.parametrize("key, secret", [("hf_token", True), ("custom_reward_function.reward_kwargs.api_key", True), ("x.apikey", True),

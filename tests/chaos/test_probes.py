@@ -57,7 +57,7 @@ def test_a_second_run_in_a_folder_in_use_is_refused_at_once(tmp_path, demo_cache
         assert time.monotonic() - started < 10
         assert not (tmp_path / "mlflow.db").exists()  # refused before any MLflow run exists
     finally:
-        holder.close()
+        holder.release()
 
 
 def test_a_damaged_latest_checkpoint_is_skipped_for_the_previous_one(tmp_path, demo_cache, ray_address, prefect_api):

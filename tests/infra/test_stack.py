@@ -67,3 +67,20 @@ def test_up_status_train_down(stack_env, tmp_path, demo_cache):
     assert not any(process_group_alive(s["pid"]) for s in services.values())
     assert not any(port_open(port) for port in ports.values())
     assert ppoflow(stack_env, "status", timeout=60).returncode == 1
+
+
+def test_the_prefect_server_deletes_task_run_events_after_an_hour(tmp_path):
+    """The retention settings the stack's Prefect server (and a temporary one) starts with are ones Prefect accepts."""
+    from datetime import timedelta
+
+    from prefect.settings import Settings
+
+    from infra.stack import service_command
+
+    _, env, _ = service_command("prefect", 4200, tmp_path)
+    settings = Settings(server={"services": {"db_vacuum": {
+        "event_retention_overrides": json.loads(env["PREFECT_SERVER_SERVICES_DB_VACUUM_EVENT_RETENTION_OVERRIDES"]),
+        "loop_seconds": env["PREFECT_SERVER_SERVICES_DB_VACUUM_LOOP_SECONDS"]}}})
+    vacuum = settings.server.services.db_vacuum
+    assert vacuum.event_retention_overrides["prefect.task-run.Completed"] == timedelta(hours=1)
+    assert "events" in vacuum.enabled_vacuum_types and vacuum.loop_seconds == 600

@@ -1,0 +1,96 @@
+"""A run's inputs checked in about a second, before any process starts: the data files (readable, their first rows
+carry the columns every stage needs, enough rows for one batch), the model folders, and the reward function
+(importable, and callable the way the reward manager calls it). Every problem is one line naming the key and the
+fix; all of them are reported together."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from rl_core.data.dataset import DatasetError, peek_rows, validate_row
+from rl_core.models.folder import ModelLoadError, check_model_folder
+from rl_core.ppo_step import use_critic
+from rl_core.reward.custom import load_custom_reward_function
+
+ROWS_CHECKED = 8  # the first rows of each file whose columns are checked (the dataset checks every row when it loads)
+REWARD_CALLS = {  # reward.reward_manager -> the keyword arguments the reward manager calls the function with
+    "naive": ("data_source", "solution_str", "ground_truth", "extra_info"),
+    "batch": ("data_sources", "solution_strs", "ground_truths", "extra_infos"),
+}
+
+
+class InputError(ValueError):
+    """Inputs a run cannot use; one line per problem."""
+
+
+def _files(value: Any) -> list[str]:
+    return [] if value is None else [value] if isinstance(value, str) else list(value)
+
+
+def data_problems(config: Any) -> list[str]:
+    problems = []
+    for key in ("data.train_files", "data.val_files"):
+        rows = 0
+        for path in _files(config.data[key.split(".")[1]]):
+            try:
+                count, first = peek_rows(path, ROWS_CHECKED)
+                for number, row in enumerate(first):
+                    validate_row(row, f"{path}: row {number}", config.data.prompt_key)
+            except DatasetError as error:
+                problems.append(f"{key}: {error}")
+                continue
+            rows += count
+        limit = config.data.train_max_samples
+        if key == "data.train_files" and rows and not problems:
+            usable = min(rows, limit) if limit is not None and limit > 0 else rows
+            if usable < config.data.train_batch_size:
+                problems.append(f"data.train_batch_size={config.data.train_batch_size} is larger than the {usable} rows of {key}: "
+                                f"lower it or give more data")
+    return problems
+
+
+def model_problems(config: Any) -> list[str]:
+    model = config.actor_rollout_ref.model
+    folders = [("actor_rollout_ref.model.path", model.path, True, not model.tokenizer_path)]
+    if model.tokenizer_path:
+        folders.append(("actor_rollout_ref.model.tokenizer_path", model.tokenizer_path, False, True))
+    if use_critic(config):
+        folders.append(("critic.model.path", config.critic.model.path, True, False))
+    if config.reward_model.enable:
+        folders.append(("reward_model.model.path", config.reward_model.model.path, True, False))
+    problems = []
+    for setting, path, weights, tokenizer in folders:
+        if path is None and model.path is None and setting != "reward_model.model.path":
+            continue  # the embedded demo's model fills the policy's and the critic's in
+        try:
+            check_model_folder(path, setting, weights=weights, tokenizer=tokenizer)
+        except ModelLoadError as error:
+            problems.append(str(error))
+    return problems
+
+
+def reward_problems(config: Any) -> list[str]:
+    spec = config.custom_reward_function
+    if not spec.path:
+        return []
+    try:
+        function = load_custom_reward_function(spec.path, spec.name, dict(spec.reward_kwargs or {}))
+    except (FileNotFoundError, RuntimeError, AttributeError) as error:
+        return [str(error)]
+    arguments = REWARD_CALLS[config.reward.reward_manager]
+    try:
+        inspect.signature(function).bind(**dict.fromkeys(arguments))
+    except TypeError as error:
+        return [f"custom_reward_function.name={spec.name!r} in {spec.path} cannot be called as {spec.name}({', '.join(arguments)}"
+                f"{', **reward_kwargs' if spec.reward_kwargs else ''}) ({error}); fix its parameters "
+                f"(reward.reward_manager={config.reward.reward_manager} decides which)"]
+    return []
+
+
+def check_run_inputs(config: Any) -> None:
+    """Raise InputError listing every problem of the data, model and reward inputs (keys left null for the embedded
+    demo are skipped: it fills them in)."""
+    problems = data_problems(config) + model_problems(config) + reward_problems(config)
+    if problems:
+        raise InputError("\n".join(problems))
