@@ -62,3 +62,42 @@ def test_redaction_by_key_and_by_value():
     assert split_secret_overrides(["+a.b.hf_token=x", "lr=1", "c=sk-" + "A" * 24]) == (["lr=1"], ["+a.b.hf_token=x", "c=sk-" + "A" * 24])
     assert split_secret_overrides(["+k.api_key='abcd-1234'", "+k.url=https://u:abcd-1234@h", "+k.n=abcd"]) == (
         ["+k.n=abcd"], ["+k.api_key='abcd-1234'", "+k.url=https://u:abcd-1234@h"])  # the key's value inside another override
+
+
+WRITER = """
+import os, sys
+from rl_core.step_checkpoint import StepCheckpoints
+checkpoints = StepCheckpoints(sys.argv[1], max_to_keep=2)
+step = int(sys.argv[2])
+while True:
+    staging = checkpoints.staging_dir(step)
+    (staging / "actor").mkdir()
+    (staging / "actor" / "model.safetensors").write_bytes(os.urandom(4 << 20))
+    checkpoints.commit(step, {"mlflow_run_id": "r"})
+    print(step, flush=True)
+    step += 1
+"""
+
+
+def test_sigkill_during_checkpoint_writes_always_leaves_one_to_resume_from(tmp_path):
+    """Eight times: a process writing 4 MB checkpoints back to back is killed at a random moment; an intact checkpoint
+    is always there, and the next writer continues after it."""
+    import random
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import ROOT
+
+    checkpoints, rng, resumed_from = StepCheckpoints(tmp_path, max_to_keep=2), random.Random(0), 1
+    for _ in range(8):
+        writer = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), str(resumed_from)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        writer.stdout.readline()  # one checkpoint done: kill it somewhere in the following ones
+        time.sleep(rng.uniform(0.0, 0.3))
+        writer.kill()
+        writer.wait()
+        step, damaged = checkpoints.latest_intact()
+        assert step is not None and step >= resumed_from and damaged == []
+        assert checkpoints.trainer_state(checkpoints.step_dir(step))["global_step"] == step
+        resumed_from = step + 1
+    assert resumed_from > 8
