@@ -63,8 +63,13 @@ def flow_steps(settings: list[str]) -> list[float]:
     """The same workload through the Prefect flow on Ray workers; per-step times as the flow logged them."""
     from mlflow.tracking import MlflowClient
 
+    from flows.prefect_server import configure_prefect, start_temporary_server
     from flows.train import train
 
+    configure_prefect()  # what `ppoflow train` does before its flow starts
+    server = start_temporary_server()
+    if server is not None:
+        server.join()
     result = train(overrides=settings)
     history = MlflowClient(result["tracking_uri"]).get_metric_history(result["run_id"], "perf/time_per_step")
     return [m.value for m in sorted(history, key=lambda m: m.step)]

@@ -12,6 +12,8 @@ import sys
 import time
 import traceback
 
+from flows.prefect_server import configure_prefect, start_temporary_server
+
 
 def _list_algorithms(args: argparse.Namespace) -> int:
     from rl_core.algos import ADVANTAGE_ESTIMATORS, KL_PENALTIES, LOSS_AGG_MODES, POLICY_LOSSES
@@ -37,17 +39,6 @@ def _prepare_gsm8k(args: argparse.Namespace) -> int:
     for split, path in preprocess(args.source, args.out).items():
         print(f"{split}: {path}")
     return 0
-
-
-def _quiet_prefect() -> None:
-    """Flow-run logs (the per-step lines) stay at INFO; Prefect's per-task-run state lines only when they warn. A
-    temporary Prefect server (no PREFECT_API_URL) gets the stack's retention settings too."""
-    from infra.stack import PREFECT_RETENTION
-
-    os.environ.setdefault("PREFECT_LOGGING_LOGGERS_PREFECT_TASK_RUNS_LEVEL", "WARNING")
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    for key, value in PREFECT_RETENTION.items():
-        os.environ.setdefault(key, value)
 
 
 def _use_stack() -> str:
@@ -109,7 +100,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    _quiet_prefect()
+    configure_prefect()
     print(f"ppoflow train: using {_use_stack()}", flush=True)
     from flows.config import ConfigError, compose_config
     from rl_core.input_checks import InputError, check_run_inputs
@@ -119,24 +110,31 @@ def _train(args: argparse.Namespace) -> int:
     except (ConfigError, InputError) as error:
         print("\n".join(f"ppoflow train: {line}" for line in str(error).splitlines()), file=sys.stderr)
         return 2
+    server = start_temporary_server()
     from flows.secrets import hide_secret_overrides
     from flows.train import summary_line, train
 
     overrides = hide_secret_overrides(args.overrides)  # a secret override never becomes a stored flow-run parameter
+    if server is not None:
+        server.join()
     result = train.with_options(retries=args.retries, retry_delay_seconds=5)(overrides=overrides)
     print(summary_line(result))
     return 0
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    _quiet_prefect()
+    configure_prefect()
     print(f"ppoflow sweep: using {_use_stack()}", flush=True)
     from flows.sweep import SweepError, check_sweep
     from flows.train import summary_line
 
     try:
         check_sweep(args.overrides, args.search, args.trials, args.direction)  # a bad sweep: a one-line error before Prefect starts
+        server = start_temporary_server()
         from flows.sweep import sweep
+
+        if server is not None:
+            server.join()
 
         result = sweep(overrides=args.overrides, search=args.search, trials=args.trials, metric=args.metric,
                        direction=args.direction, name=args.name, seed=args.seed)
@@ -148,11 +146,15 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    _quiet_prefect()
+    configure_prefect()
     print(f"ppoflow evaluate: using {_use_stack()}", flush=True)
+    server = start_temporary_server()
     from flows.config import ConfigError
     from flows.evaluate import EvaluationSourceError, evaluate
     from flows.train import summary_line
+
+    if server is not None:
+        server.join()
 
     try:
         result = evaluate(source=args.source, overrides=args.overrides, samples=args.samples, temperature=args.temperature)
@@ -164,7 +166,7 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    _quiet_prefect()
+    configure_prefect()
     _use_stack()
     from flows.deployments import PrefectUnavailableError, serve_deployments
     from flows.sweep import SweepError

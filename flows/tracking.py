@@ -3,7 +3,8 @@
 * one run per training run: experiment = ``trainer.project_name``, run name = ``trainer.experiment_name``;
 * params = the flattened config (once; secrets redacted, see flows/secrets.py), the composed YAML (redacted too)
   as an artifact;
-* each step's metrics in ONE ``log_batch`` call (names as :func:`metric_key` makes them), with ``training/global_step`` as the step's marker: a resumed
+* each step's metrics in ONE ``log_batch`` call (names as :func:`metric_key` makes them), made in a background thread
+  (flushed before a checkpoint, a tag and the end), with ``training/global_step`` as the step's marker: a resumed
   run asks MLflow which steps are already there and does not log them again (no duplicated, no missing step);
 * rollout samples as an MLflow table, checkpoint paths as tags, the final actor as an HF-format artifact,
   optionally registered as a model version.
@@ -15,6 +16,7 @@ import fcntl
 import os
 import re
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +88,8 @@ class RunTracker:
     def __init__(self, config: DictConfig, run_id: str | None = None, tags: dict[str, str] | None = None, run_name: str | None = None):
         self.uri = tracking_uri(config)
         self.client = open_store(self.uri)
+        self.background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ppoflow-mlflow")  # one: calls stay in order
+        self.pending: list[Future] = []
         if run_id is None:
             run = self.client.create_run(experiment_id(self.client, config), run_name=run_name or config.trainer.experiment_name,
                                          tags={**(tags or {}), "ppoflow.status": "running"})
@@ -107,24 +111,43 @@ class RunTracker:
         self.client.log_text(self.run_id, OmegaConf.to_yaml(safe), "config/ppo_trainer.yaml")
 
     def log_step(self, step: int, metrics: dict[str, float]) -> bool:
-        """Log a step's metrics in one call; False (and nothing logged) when MLflow has the step already."""
+        """Log a step's metrics in one call, in the background (off the step's path; :meth:`flush` waits for it);
+        False (and nothing logged) when MLflow has the step already."""
         if step <= self.last_logged_step:
             return False
         now = int(time.time() * 1000)
         entries = [Metric(metric_key(key), float(value), now, step) for key, value in metrics.items() if value is not None]
         entries.append(Metric(STEP_MARKER, float(step), now, step))
-        self.client.log_batch(self.run_id, metrics=entries)
+        self._raise_background_error()
+        self.pending.append(self.background.submit(self.client.log_batch, self.run_id, metrics=entries))
         self.last_logged_step = step
         return True
 
+    def _raise_background_error(self) -> None:
+        """An earlier background call that failed raises here (a store that went away fails the run, no step is lost
+        silently); finished calls are forgotten."""
+        done = [future for future in self.pending if future.done()]
+        self.pending = [future for future in self.pending if not future.done()]
+        for future in done:
+            future.result()
+
+    def flush(self) -> None:
+        """Wait for the metrics logged in the background (before a checkpoint: a step it holds is in MLflow)."""
+        for future in self.pending:
+            future.result()
+        self.pending = []
+
     def log_samples(self, step: int, samples: dict[str, list]) -> None:
+        self.flush()
         self.client.log_table(self.run_id, data=samples, artifact_file=f"samples/step_{step:06d}.json")
 
     def set_tags(self, tags: dict[str, Any]) -> None:
+        self.flush()
         self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
     def log_final_model(self, actor_folder: Path, register_as: str | None) -> str:
         """Upload the actor's HF folder as the ``model`` artifact; register a version when ``register_as`` is set."""
+        self.flush()
         self.client.log_artifacts(self.run_id, str(actor_folder), artifact_path="model")
         source = f"{self.client.get_run(self.run_id).info.artifact_uri}/model"
         if register_as:
@@ -143,11 +166,16 @@ class RunTracker:
     def fail(self, error: BaseException, killed: bool = False) -> None:
         """The run ended by ``error``: FAILED, or KILLED (``killed``: it was told to stop), with the error in the
         ``ppoflow.error`` tag. A resumed run whose restore failed is left as it was."""
+        try:
+            self.flush()
+        except Exception:  # the store failed already: the tags below say why the run ended, if it can take them
+            self.pending = []
         if self.active:
             detail = str(error) or (f"signal {error.signal}" if hasattr(error, "signal") else "")  # Prefect's TerminationSignal has no message
             self.set_tags({"ppoflow.error": f"{type(error).__name__}: {detail}"[:5000]})
             self.finish("KILLED" if killed else "FAILED")
 
     def finish(self, status: str = "FINISHED") -> None:
-        self.set_tags({"ppoflow.status": status.lower()})
+        self.set_tags({"ppoflow.status": status.lower()})  # after the background calls (set_tags flushes)
         self.client.set_terminated(self.run_id, status=status)
+        self.background.shutdown()

@@ -113,6 +113,7 @@ def save_checkpoint(workers: WorkerGroup, checkpoints: StepCheckpoints, progress
     if "critic" in workers.roles:
         workers.role("critic").save_checkpoint(str(staging / "critic"), timeout_s=timeout, stage="save_checkpoint")
     worker_steps = workers.health(timeout)[0]["steps_trained"]
+    tracker.flush()  # every step the checkpoint holds is in MLflow before the checkpoint exists
     folder = checkpoints.commit(progress.global_step, progress.state(tracker.run_id, worker_steps))
     tracker.set_tags({"checkpoint/latest": folder.resolve(), f"checkpoint/global_step_{progress.global_step}": folder.resolve()})
     return folder
