@@ -1,0 +1,290 @@
+"""ppoflow against TRL on the demo task: the same SFT-warm-started tiny model, data, sizes and optimizer settings.
+
+    pip install -e '.[bench]'          # TRL 0.29
+    python bench/vs_trl.py [--steps 100] [--prompts 16] [--n 4] [--warmup 5]
+
+Rows (each run in a process of its own, one after the other), all with one PPO epoch, one mini-batch, no KL term,
+``--prompts`` x ``--n`` responses per step of at most 8 new tokens (the demo's):
+  * GRPO: ``ppoflow train`` (the Prefect flow on a Ray worker) and TRL's ``GRPOTrainer`` (``--n`` responses per prompt);
+  * PPO with a critic: ppoflow's GAE and TRL's ``PPOTrainer`` (``trl.experimental.ppo``; TRL 1.x has no PPO trainer),
+    one response per prompt. TRL's PPO takes a reward *model*: the bench gives it one that applies the demo's rule to
+    the decoded response; it logs no token counts (no tokens/s).
+
+For each: the median step time (the first ``--warmup`` steps left out), tokens per second (prompt + response tokens
+of a step / its time), the peak resident memory of all the run's processes together (ppoflow: the controller, its
+Prefect server and the Ray cluster and workers; sampled every 0.2 s) and the greedy validation accuracy of the final
+policy, computed for both by one function (:func:`greedy_accuracy`: ppoflow's own validation on an in-process
+worker). Prints a table and, last, one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+
+
+def demo_assets(cache: str) -> tuple[str, str, str]:
+    """(model folder, train file, val file) of the embedded demo, built once in ``cache``."""
+    from flows.config import compose_config
+    from flows.demo import ensure_demo_data, ensure_demo_model
+
+    config = compose_config([f"trainer.cache_dir={cache}"])
+    train, val = ensure_demo_data(config)
+    return ensure_demo_model(config), train, val
+
+
+def greedy_accuracy(model_dir: str, val_file: str) -> float:
+    """The greedy validation accuracy of the policy in ``model_dir`` as ppoflow's own validation computes it
+    (rl_core.ppo_step.run_validation on an in-process worker: the same prompts, rollout and scorer)."""
+    from flows.config import compose_config
+    from rl_core.data.dataset import RLDataset
+    from rl_core.ppo_step import StepWorkers, run_validation
+    from rl_core.reward.manager import build_reward_manager
+    from rl_core.workers import ActorRolloutRefWorker
+
+    config = compose_config([f"actor_rollout_ref.model.path={model_dir}", f"data.val_files={val_file}"])
+    config.actor_rollout_ref.actor.optim.total_training_steps = 1
+    worker = ActorRolloutRefWorker(config.actor_rollout_ref, "actor_rollout")
+    worker.init_model()
+    data = RLDataset(val_file, worker.tokenizer, config.data)
+    metrics = run_validation(config, StepWorkers(actor=worker), data, build_reward_manager(config, worker.tokenizer))
+    return next(value for key, value in metrics.items() if key.startswith("val-core/") and "/mean@" in key)
+
+
+# ---------------------------------------------------------------------------------------------- the runs
+def run_ppoflow(args: argparse.Namespace, folder: str, model: str, train: str, val: str, *algorithm: str) -> dict:
+    """``ppoflow train`` (the flow on a Ray worker, as the command runs it) with one PPO epoch and one mini-batch."""
+    from mlflow.tracking import MlflowClient
+
+    from flows.prefect_server import configure_prefect, start_temporary_server
+    from flows.train import train as train_flow
+
+    configure_prefect()
+    server = start_temporary_server()
+    if server is not None:
+        server.join()
+    result = train_flow(overrides=[
+        f"actor_rollout_ref.model.path={model}", f"data.train_files={train}", f"data.val_files={val}",
+        "actor_rollout_ref.actor.use_kl_loss=false", "actor_rollout_ref.actor.recompute_old_log_prob=false",
+        f"trainer.total_training_steps={args.steps}", "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.save_freq=-1",
+        "trainer.log_samples_freq=-1", f"trainer.default_local_dir={folder}/checkpoints", f"trainer.tracking_uri=sqlite:///{folder}/mlflow.db",
+        f"trainer.artifact_location={folder}/mlartifacts", *algorithm])
+    client = MlflowClient(result["tracking_uri"])
+    history = {name: [m.value for m in sorted(client.get_metric_history(result["run_id"], name), key=lambda m: m.step)]
+               for name in ("perf/time_per_step", "perf/total_num_tokens")}
+    return {"step_s": history["perf/time_per_step"], "tokens": history["perf/total_num_tokens"],
+            "model_dir": str(Path(result["checkpoint_dir"]) / "actor")}
+
+
+def run_ppoflow_grpo(args: argparse.Namespace, folder: str, model: str, train: str, val: str) -> dict:
+    return run_ppoflow(args, folder, model, train, val, f"data.train_batch_size={args.prompts}", f"actor_rollout_ref.rollout.n={args.n}",
+                       f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts}")
+
+
+def run_ppoflow_ppo(args: argparse.Namespace, folder: str, model: str, train: str, val: str) -> dict:
+    """PPO with a critic (GAE), one response per prompt: ``--prompts`` x ``--n`` prompts per step (as many responses
+    as the GRPO rows), the critic updated on the same single mini-batch."""
+    size = args.prompts * args.n
+    return run_ppoflow(args, folder, model, train, val, "algorithm.adv_estimator=gae", f"data.train_batch_size={size}",
+                       "actor_rollout_ref.rollout.n=1", f"actor_rollout_ref.actor.ppo_mini_batch_size={size}",
+                       f"critic.ppo_mini_batch_size={size}")
+
+
+class StepTimer:
+    """A transformers TrainerCallback: each step's time (between consecutive step ends, generation included) and
+    tokens (the ``num_tokens`` TRL logs, where it logs them)."""
+
+    def __init__(self) -> None:
+        self.step_s, self.tokens, self.last, self.last_tokens = [], [], time.perf_counter(), 0.0
+
+    def on_step_end(self, *_, **__):
+        now = time.perf_counter()
+        self.step_s.append(now - self.last)
+        self.last = now
+
+    def on_log(self, _args, _state, _control, logs=None, **__):
+        if logs and "num_tokens" in logs:
+            self.tokens.append(logs["num_tokens"] - self.last_tokens)
+            self.last_tokens = logs["num_tokens"]
+
+
+def callback(timer: StepTimer):
+    from transformers import TrainerCallback
+
+    return type("StepTimerCallback", (TrainerCallback,), {"on_step_end": lambda self, *a, **k: timer.on_step_end(),
+                                                          "on_log": lambda self, *a, **k: timer.on_log(*a, **k),
+                                                          "on_train_begin": lambda self, *a, **k: setattr(timer, "last", time.perf_counter())})()
+
+
+def run_trl_grpo(args: argparse.Namespace, folder: str, model: str, train: str, val: str) -> dict:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from flows.config import compose_config
+    from rl_core.data.dataset import read_rows
+    from rl_core.reward.scorers import default_compute_score
+
+    demo = compose_config([])
+    rows = [{"prompt": r["prompt"], "ground_truth": r["reward_model"]["ground_truth"], "data_source": r["data_source"]} for r in read_rows(train)]
+
+    def rule_reward(completions, ground_truth, data_source, **_):
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [float(default_compute_score(s, t, g)) for s, t, g in zip(data_source, texts, ground_truth)]
+
+    tokenizer = AutoTokenizer.from_pretrained(model, padding_side="left")
+    config = GRPOConfig(output_dir=f"{folder}/trl", per_device_train_batch_size=args.prompts * args.n, num_generations=args.n,
+                        max_completion_length=demo.data.max_response_length, learning_rate=demo.actor_rollout_ref.actor.optim.lr,
+                        lr_scheduler_type="constant", beta=0.0, num_iterations=1, gradient_accumulation_steps=1, max_steps=args.steps,
+                        temperature=1.0, top_k=0, top_p=1.0, loss_type="dapo", scale_rewards="group", use_cpu=True, bf16=False,
+                        report_to=[], logging_steps=1, save_strategy="no", seed=0, disable_tqdm=True)
+    timer = StepTimer()
+    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model), reward_funcs=rule_reward, args=config,
+                          train_dataset=Dataset.from_list(rows), processing_class=tokenizer, callbacks=[callback(timer)])
+    trainer.train()
+    trainer.save_model(f"{folder}/trl-final")
+    tokenizer.save_pretrained(f"{folder}/trl-final")
+    return {"step_s": timer.step_s, "tokens": timer.tokens, "model_dir": f"{folder}/trl-final"}
+
+
+def run_trl_ppo(args: argparse.Namespace, folder: str, model: str, train: str, val: str) -> dict:
+    """TRL 0.29's PPO trainer with a value model from the same checkpoint; its reward "model" applies the demo's rule
+    (the answer to the prompt's a+b) to the decoded response, at the positions TRL reads the reward from."""
+    import copy
+    import re
+    from types import SimpleNamespace
+
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    from trl.experimental.ppo import PPOConfig, PPOTrainer
+
+    from flows.config import compose_config
+    from rl_core.data.dataset import RLDataset
+    from rl_core.data.synthetic import DATA_SOURCE
+    from rl_core.reward.scorers import default_compute_score
+
+    tokenizer = AutoTokenizer.from_pretrained(model, padding_side="left")
+    demo = compose_config([])
+    prompts = RLDataset(train, tokenizer, demo.data).prompt_ids  # tokenized as ppoflow does (chat template)
+
+    class RuleReward(torch.nn.Module):
+        base_model_prefix = "backbone"
+
+        def __init__(self):
+            super().__init__()
+            self.score = torch.nn.Identity()
+            self.anchor = torch.nn.Parameter(torch.zeros(1), requires_grad=False)  # so that .to(device) has a device
+
+        def backbone(self, input_ids, attention_mask, **_):
+            values = torch.zeros(*input_ids.shape, 1)
+            ends = attention_mask & ~torch.nn.functional.pad(attention_mask[:, 1:], (0, 1), value=False)
+            for row, end in ends.nonzero().tolist():
+                text = tokenizer.decode(input_ids[row, : end + 1][attention_mask[row, : end + 1]], skip_special_tokens=True)
+                question, _, answer = text.rpartition("assistant\n")
+                a, b = map(int, re.findall(r"(\d+)\+(\d+)=", question)[-1])
+                values[row, end, 0] = float(default_compute_score(DATA_SOURCE, answer, str(a + b)))
+            return SimpleNamespace(hidden_states=(values,))
+
+    size = args.prompts * args.n
+    config = PPOConfig(output_dir=f"{folder}/trl", per_device_train_batch_size=size, gradient_accumulation_steps=1, num_ppo_epochs=1,
+                       num_mini_batches=1, total_episodes=size * args.steps, local_rollout_forward_batch_size=size,
+                       response_length=demo.data.max_response_length, stop_token="eos", temperature=1.0,
+                       learning_rate=demo.actor_rollout_ref.actor.optim.lr, lr_scheduler_type="constant", kl_coef=0.0,
+                       num_sample_generations=0, use_cpu=True, bf16=False, report_to=[], logging_steps=1, save_strategy="no", seed=0,
+                       disable_tqdm=True)
+    policy = AutoModelForCausalLM.from_pretrained(model)
+    value = AutoModelForSequenceClassification.from_pretrained(model, num_labels=1)
+    value.config.pad_token_id = tokenizer.pad_token_id
+    timer = StepTimer()
+    trainer = PPOTrainer(args=config, processing_class=tokenizer, model=policy, ref_model=copy.deepcopy(policy), reward_model=RuleReward(),
+                         value_model=value, train_dataset=Dataset.from_list([{"input_ids": ids} for ids in prompts]), callbacks=[callback(timer)])
+    trainer.train()
+    trainer.save_model(f"{folder}/trl-final")
+    tokenizer.save_pretrained(f"{folder}/trl-final")
+    return {"step_s": timer.step_s, "tokens": [], "model_dir": f"{folder}/trl-final"}
+
+
+RUNS = {"ppoflow-grpo": run_ppoflow_grpo, "trl-grpo": run_trl_grpo, "ppoflow-ppo": run_ppoflow_ppo, "trl-ppo": run_trl_ppo}
+
+
+# ---------------------------------------------------------------------------------------------- measuring
+def tree_rss_bytes(root: int) -> int:
+    from infra.watchdog import descendants, processes
+
+    total = 0
+    for pid in [root, *descendants(root, processes())]:
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return total
+
+
+def measure(name: str, argv: list[str]) -> dict:
+    """Run ``name`` in a child process; its result plus the peak RSS of its process tree."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        child = subprocess.Popen([sys.executable, __file__, "--one", name, "--out", out.name, *argv], cwd=ROOT)
+        peak = 0
+        while child.poll() is None:
+            peak = max(peak, tree_rss_bytes(child.pid))
+            time.sleep(0.2)
+        if child.returncode:
+            raise SystemExit(f"{name} failed (exit {child.returncode})")
+        result = json.loads(Path(out.name).read_text())
+    return {**result, "peak_rss_gb": peak / 2**30}
+
+
+def summary(result: dict, warmup: int) -> dict:
+    steps, tokens = result["step_s"][warmup:], result["tokens"][warmup:]
+    return {"step_median_s": round(statistics.median(steps), 4), "tokens_per_s": round(sum(tokens) / sum(steps), 1) if tokens else None,
+            "peak_rss_gb": round(result["peak_rss_gb"], 2), "val_accuracy": round(result["val_accuracy"], 4)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--prompts", type=int, default=16, help="prompts per step")
+    parser.add_argument("--n", type=int, default=4, help="responses per prompt")
+    parser.add_argument("--warmup", type=int, default=5, help="leading steps left out of the step median")
+    parser.add_argument("--cache", default=str(ROOT / ".ppoflow"), help="where the demo model and data are built")
+    parser.add_argument("--only", nargs="+", choices=list(RUNS), help="run only these rows")
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    model, train, val = demo_assets(args.cache)
+    if args.one:  # a child: one run, its result to --out
+        with tempfile.TemporaryDirectory() as folder:
+            result = RUNS[args.one](args, folder, model, train, val)
+            result["val_accuracy"] = greedy_accuracy(result.pop("model_dir"), val)
+        Path(args.out).write_text(json.dumps(result))
+        return
+    argv = [f"--steps={args.steps}", f"--prompts={args.prompts}", f"--n={args.n}", f"--cache={args.cache}"]
+    before = greedy_accuracy(model, val)
+    rows = {name: summary(measure(name, argv), args.warmup) for name in args.only or RUNS}
+    print(f"demo task, {args.steps} steps of {args.prompts} prompts x {args.n} responses; greedy validation accuracy before training {before:.3f}")
+    print(f"{'run':<14}{'step median (s)':>16}{'tokens/s':>10}{'peak RSS (GB)':>15}{'val accuracy':>14}")
+    for name, row in rows.items():
+        tokens = f"{row['tokens_per_s']:.0f}" if row["tokens_per_s"] else "-"
+        print(f"{name:<14}{row['step_median_s']:>16.3f}{tokens:>10}{row['peak_rss_gb']:>15.2f}{row['val_accuracy']:>14.3f}")
+    ratios = {f"{algo}_step_ratio_ppoflow_over_trl": round(rows[f"ppoflow-{algo}"]["step_median_s"] / rows[f"trl-{algo}"]["step_median_s"], 3)
+              for algo in ("grpo", "ppo") if f"ppoflow-{algo}" in rows and f"trl-{algo}" in rows}
+    print(json.dumps({"steps": args.steps, "prompts": args.prompts, "n": args.n, "val_accuracy_before": round(before, 4), **rows, **ratios}))
+
+
+if __name__ == "__main__":
+    main()
