@@ -95,8 +95,31 @@ def test_sigkill_of_the_controller_leaves_no_process_and_the_next_run_marks_it_k
     assert killed.data.tags["ppoflow.error"].startswith(f"its controller (pid {controller.pid}, started ")
 
 
+SLEEPING_COMMAND = """
+import argparse, sys, time
+from flows.cli import _run_flow_command
+def flow_command(args):
+    try:
+        print("running", flush=True)
+        time.sleep(60)
+    finally:
+        print("cleaned up", flush=True)  # what run_training's handlers do: mark the run, free the workers
+sys.exit(_run_flow_command(argparse.Namespace(command="train", verbose=False, flow_command=flow_command)))
+"""
+
+
 @pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_a_signal_stops_the_run_cleanly(tmp_path, demo_cache, ray_address, prefect_api, signum, code):
+def test_the_first_signal_interrupts_the_command_and_sets_its_exit_code(signum, code):
+    command = subprocess.Popen([sys.executable, "-c", SLEEPING_COMMAND], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert command.stdout.readline() == "running\n"
+    command.send_signal(signum)
+    output = command.stdout.read()
+    assert command.wait(10) == code
+    assert output.startswith("cleaned up\n") and f"stopped by {signal.Signals(signum).name}" in output
+
+
+def test_sigterm_stops_a_training_run_cleanly(tmp_path, demo_cache, ray_address, prefect_api):
+    signum, code = signal.SIGTERM, 143
     overrides = small_run_overrides(tmp_path, demo_cache, "trainer.total_training_steps=50", "trainer.save_freq=-1", "trainer.test_freq=-1",
                                     "trainer.val_before_train=false", f"trainer.ray.address={ray_address}")
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PPOFLOW_HOME": str(tmp_path / "home")}
