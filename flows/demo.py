@@ -15,8 +15,9 @@ from rl_core.models.loading import load_policy_model
 from rl_core.models.tiny import make_tiny_model
 from rl_core.sft import SFTExample, run_sft
 
-DEMO_VERSION = "v1"
+DEMO_VERSION = "v2"  # v2: the SFT warm start no longer depends on data.synthetic.train_size
 SFT_STEPS, SFT_BATCH, SFT_LR = 60, 64, 3e-3
+SFT_ROWS = 2000  # the warm start's own problems: the cached model is the same whatever data.synthetic.train_size is
 
 
 def demo_dir(config: DictConfig) -> Path:
@@ -45,7 +46,7 @@ def ensure_demo_model(config: DictConfig, log=print) -> str:
     shutil.rmtree(staging, ignore_errors=True)
     make_tiny_model(staging, seed=0, max_operand=config.data.synthetic.max_operand)
     model, tokenizer = load_policy_model(ModelConfig(path=str(staging)))
-    rows = addition_rows(config.data.synthetic.train_size, seed=0, max_operand=config.data.synthetic.max_operand, split="train")
+    rows = addition_rows(SFT_ROWS, seed=0, max_operand=config.data.synthetic.max_operand, split="train")
     examples = [SFTExample(row["prompt"], row["reward_model"]["ground_truth"]) for row in rows]
     log(f"[demo] warm-starting the tiny model with {SFT_STEPS} SFT steps (once; cached in {target})")
     losses = run_sft(model, tokenizer, examples, steps=SFT_STEPS, batch_size=SFT_BATCH, lr=SFT_LR, seed=0)
