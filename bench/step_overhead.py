@@ -67,9 +67,7 @@ def flow_steps(settings: list[str]) -> list[float]:
     from flows.train import train
 
     configure_prefect()  # what `ppoflow train` does before its flow starts
-    server = start_temporary_server()
-    if server is not None:
-        server.join()
+    start_temporary_server()()  # the wait for it
     result = train(overrides=settings)
     history = MlflowClient(result["tracking_uri"]).get_metric_history(result["run_id"], "perf/time_per_step")
     return [m.value for m in sorted(history, key=lambda m: m.step)]

@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from transformers import TrainerCallback
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -72,9 +74,7 @@ def run_ppoflow(args: argparse.Namespace, folder: str, model: str, train: str, v
     from flows.train import train as train_flow
 
     configure_prefect()
-    server = start_temporary_server()
-    if server is not None:
-        server.join()
+    start_temporary_server()()  # the wait for it
     result = train_flow(overrides=[
         f"actor_rollout_ref.model.path={model}", f"data.train_files={train}", f"data.val_files={val}",
         "actor_rollout_ref.actor.use_kl_loss=false", "actor_rollout_ref.actor.recompute_old_log_prob=false",
@@ -102,12 +102,15 @@ def run_ppoflow_ppo(args: argparse.Namespace, folder: str, model: str, train: st
                        f"critic.ppo_mini_batch_size={size}")
 
 
-class StepTimer:
-    """A transformers TrainerCallback: each step's time (between consecutive step ends, generation included) and
-    tokens (the ``num_tokens`` TRL logs, where it logs them)."""
+class StepTimer(TrainerCallback):
+    """Each step's time (between consecutive step ends, generation included) and tokens (the ``num_tokens`` TRL logs,
+    where it logs them)."""
 
     def __init__(self) -> None:
         self.step_s, self.tokens, self.last, self.last_tokens = [], [], time.perf_counter(), 0.0
+
+    def on_train_begin(self, *_, **__):
+        self.last = time.perf_counter()
 
     def on_step_end(self, *_, **__):
         now = time.perf_counter()
@@ -118,14 +121,6 @@ class StepTimer:
         if logs and "num_tokens" in logs:
             self.tokens.append(logs["num_tokens"] - self.last_tokens)
             self.last_tokens = logs["num_tokens"]
-
-
-def callback(timer: StepTimer):
-    from transformers import TrainerCallback
-
-    return type("StepTimerCallback", (TrainerCallback,), {"on_step_end": lambda self, *a, **k: timer.on_step_end(),
-                                                          "on_log": lambda self, *a, **k: timer.on_log(*a, **k),
-                                                          "on_train_begin": lambda self, *a, **k: setattr(timer, "last", time.perf_counter())})()
 
 
 def run_trl_grpo(args: argparse.Namespace, folder: str, model: str, train: str, val: str) -> dict:
@@ -152,7 +147,7 @@ def run_trl_grpo(args: argparse.Namespace, folder: str, model: str, train: str, 
                         report_to=[], logging_steps=1, save_strategy="no", seed=0, disable_tqdm=True)
     timer = StepTimer()
     trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model), reward_funcs=rule_reward, args=config,
-                          train_dataset=Dataset.from_list(rows), processing_class=tokenizer, callbacks=[callback(timer)])
+                          train_dataset=Dataset.from_list(rows), processing_class=tokenizer, callbacks=[timer])
     trainer.train()
     trainer.save_model(f"{folder}/trl-final")
     tokenizer.save_pretrained(f"{folder}/trl-final")
@@ -210,7 +205,7 @@ def run_trl_ppo(args: argparse.Namespace, folder: str, model: str, train: str, v
     value.config.pad_token_id = tokenizer.pad_token_id
     timer = StepTimer()
     trainer = PPOTrainer(args=config, processing_class=tokenizer, model=policy, ref_model=copy.deepcopy(policy), reward_model=RuleReward(),
-                         value_model=value, train_dataset=Dataset.from_list([{"input_ids": ids} for ids in prompts]), callbacks=[callback(timer)])
+                         value_model=value, train_dataset=Dataset.from_list([{"input_ids": ids} for ids in prompts]), callbacks=[timer])
     trainer.train()
     trainer.save_model(f"{folder}/trl-final")
     tokenizer.save_pretrained(f"{folder}/trl-final")

@@ -110,13 +110,12 @@ def _train(args: argparse.Namespace) -> int:
     except (ConfigError, InputError) as error:
         print("\n".join(f"ppoflow train: {line}" for line in str(error).splitlines()), file=sys.stderr)
         return 2
-    server = start_temporary_server()
+    server_ready = start_temporary_server()
     from flows.secrets import hide_secret_overrides
     from flows.train import summary_line, train
 
     overrides = hide_secret_overrides(args.overrides)  # a secret override never becomes a stored flow-run parameter
-    if server is not None:
-        server.join()
+    server_ready()
     result = train.with_options(retries=args.retries, retry_delay_seconds=5)(overrides=overrides)
     print(summary_line(result))
     return 0
@@ -130,11 +129,10 @@ def _sweep(args: argparse.Namespace) -> int:
 
     try:
         check_sweep(args.overrides, args.search, args.trials, args.direction)  # a bad sweep: a one-line error before Prefect starts
-        server = start_temporary_server()
+        server_ready = start_temporary_server()
         from flows.sweep import sweep
 
-        if server is not None:
-            server.join()
+        server_ready()
 
         result = sweep(overrides=args.overrides, search=args.search, trials=args.trials, metric=args.metric,
                        direction=args.direction, name=args.name, seed=args.seed)
@@ -148,13 +146,12 @@ def _sweep(args: argparse.Namespace) -> int:
 def _evaluate(args: argparse.Namespace) -> int:
     configure_prefect()
     print(f"ppoflow evaluate: using {_use_stack()}", flush=True)
-    server = start_temporary_server()
+    server_ready = start_temporary_server()
     from flows.config import ConfigError
     from flows.evaluate import EvaluationSourceError, evaluate
     from flows.train import summary_line
 
-    if server is not None:
-        server.join()
+    server_ready()
 
     try:
         result = evaluate(source=args.source, overrides=args.overrides, samples=args.samples, temperature=args.temperature)

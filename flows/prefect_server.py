@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 
 
 def configure_prefect() -> None:
@@ -24,10 +25,11 @@ def configure_prefect() -> None:
         os.environ.setdefault(key, value)
 
 
-def start_temporary_server() -> threading.Thread | None:
-    """Start Prefect's temporary server in a thread (join it before the flow runs); None when PREFECT_API_URL is set."""
+def start_temporary_server() -> Callable[[], None]:
+    """Start Prefect's temporary server in a thread; returns the wait for it, to call before the flow runs (nothing to
+    wait for when PREFECT_API_URL is set)."""
     if os.environ.get("PREFECT_API_URL"):
-        return None
+        return lambda: None
 
     def start() -> None:
         from prefect.server.api.server import SubprocessASGIServer
@@ -40,4 +42,4 @@ def start_temporary_server() -> threading.Thread | None:
 
     thread = threading.Thread(target=start, name="ppoflow-prefect-server", daemon=True)
     thread.start()
-    return thread
+    return thread.join

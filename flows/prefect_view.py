@@ -116,7 +116,6 @@ class PrefectRunView:
         self.last_progress = time.monotonic()
 
 
-
 class TaskRunPruner(threading.Thread):
     """Deletes a flow run's task runs that started before the latest cutoff it was given, in the background."""
 
