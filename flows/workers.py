@@ -10,10 +10,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import ray
 from omegaconf import DictConfig
 
 from infra.resource_pool import ResourcePool, smallest_node_cpus
 from infra.worker_group import WorkerGroup, placement_group_prefix
+from rl_core.device import resolve_device
 from rl_core.ppo_step import StepWorkers, use_critic, use_reference
 from rl_core.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
 
@@ -26,14 +28,22 @@ def run_namespace(run_id: str) -> str:
     return f"{NAMESPACE_PREFIX}{run_id}"
 
 
+def worker_device(config: DictConfig) -> str:
+    """``cpu`` or ``cuda``: ``trainer.device`` resolved against the GPUs of the connected Ray cluster (``auto`` = cuda
+    when it has any; ``cuda`` without one is a DeviceError, before any worker starts)."""
+    gpus = sum(node["Resources"].get("GPU", 0) for node in ray.nodes() if node.get("Alive"))
+    return resolve_device(config.trainer.device, gpus)
+
+
 def role_specs(config: DictConfig, evaluation: bool = False) -> dict:
     """Roles of the run's workers; an ``evaluation`` needs only the policy (and the reward model)."""
     policy_role = "actor_rollout_ref" if use_reference(config) and not evaluation else "actor_rollout"
-    specs = {"actor_rollout_ref": (ActorRolloutRefWorker, (config.actor_rollout_ref, policy_role), {})}
+    on_device = {"device": worker_device(config)}
+    specs = {"actor_rollout_ref": (ActorRolloutRefWorker, (config.actor_rollout_ref, policy_role), on_device)}
     if use_critic(config) and not evaluation:
-        specs["critic"] = (CriticWorker, (config.critic,), {})
+        specs["critic"] = (CriticWorker, (config.critic,), on_device)
     if config.reward_model.enable:
-        specs["reward_model"] = (RewardModelWorker, (config.reward_model,), {})
+        specs["reward_model"] = (RewardModelWorker, (config.reward_model,), on_device)
     return specs
 
 
@@ -45,7 +55,7 @@ def resource_pool(config: DictConfig) -> ResourcePool:
     if cpus is None:
         cpus = max(1, int(smallest_node_cpus() // trainer.n_gpus_per_node))
     return ResourcePool("global_pool", [trainer.n_gpus_per_node] * trainer.nnodes,
-                        accelerator="GPU" if trainer.device == "cuda" else None, cpus_per_worker=cpus)
+                        accelerator="GPU" if worker_device(config) == "cuda" else None, cpus_per_worker=cpus)
 
 
 def build_workers(config: DictConfig, namespace: str, evaluation: bool = False) -> WorkerGroup:

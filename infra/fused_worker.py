@@ -47,12 +47,12 @@ class FusedWorkerBase:
             probe.bind(("", 0))
             return ray.util.get_node_ip_address(), probe.getsockname()[1]
 
-    def setup_distributed(self, master_addr: str, master_port: int) -> None:
+    def setup_distributed(self, master_addr: str, master_port: int, backend: str) -> None:
         """Join the worker group's torch.distributed group (RANK/WORLD_SIZE/LOCAL_RANK are already in the env)."""
         from rl_core.workers.fsdp import init_distributed_from_env
 
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master_addr, str(master_port)
-        init_distributed_from_env()
+        init_distributed_from_env(backend)
 
     def health(self) -> dict[str, Any]:
         """Liveness and where the weights are: rank, pid, start time, and each role's number of updates done and begun

@@ -83,7 +83,8 @@ class WorkerGroup:
             group = cls(actors, names, role_specs, namespace, prefix)
             if world > 1:
                 master_addr, master_port = group._wait([actors[0].master_address.remote()], "set-up", timeout_s, names[:1])[0]
-                group._wait([a.setup_distributed.remote(master_addr, master_port) for a in actors], "set-up", timeout_s, names)
+                backend = "nccl" if pool.accelerator == "GPU" else "gloo"
+                group._wait([a.setup_distributed.remote(master_addr, master_port, backend) for a in actors], "set-up", timeout_s, names)
             else:
                 group.health(timeout_s)
         except BaseException:  # a half-made group holds resources: free them before reporting

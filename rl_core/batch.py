@@ -183,9 +183,8 @@ class Batch:
 
     # ------------------------------------------------------------------ devices
     def to(self, device: str | torch.device) -> Batch:
-        """Move every tensor to ``device`` (in place, returned)."""
-        self.tensors = {k: v.to(device) for k, v in self.tensors.items()}
-        return self
+        """A Batch with every tensor on ``device`` (the same per-sample objects and meta info; this one is unchanged)."""
+        return Batch({k: v.to(device) for k, v in self.tensors.items()}, self.non_tensors, self.meta_info)
 
 
 def _object_arrays_equal(a: np.ndarray, b: np.ndarray) -> bool:

@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-from omegaconf import DictConfig, OmegaConf
+from rl_core.device import COMPUTE_DTYPES, DEVICES
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -74,9 +77,11 @@ class ModelConfig:
     custom_chat_template: Optional[str] = None  # a Jinja chat template used for the prompts instead of the tokenizer's
     external_lib: Optional[str] = None  # a module to import first (registers custom model classes)
     override_config: dict[str, Any] = field(default_factory=dict)
-    dtype: str = "float32"            # float32 | bfloat16 | float16
+    dtype: str = "float32"            # the stored weights (verl's model_dtype; float32 = fp32 master weights): float32 | bfloat16 | float16
     enable_gradient_checkpointing: bool = False
-    use_remove_padding: bool = True   # padding-free forward (packed sequences) for log-probs, values and updates
+    # padding-free forward (packed sequences) for log-probs, values and updates; flash-attention varlen kernels when
+    # flash_attn is installed and the model runs on CUDA, SDPA otherwise
+    use_remove_padding: bool = True
     lora_rank: int = 0                # > 0 trains a LoRA adapter instead of the full model
     lora_alpha: int = 16
     target_modules: Any = "all-linear"  # a module-name list or "all-linear"
@@ -87,6 +92,9 @@ class ModelConfig:
 class FSDPConfig:
     param_offload: bool = False
     optimizer_offload: bool = False
+    # forward/backward compute dtype (mixed precision over the model.dtype weights): auto = bfloat16 on CUDA, float32
+    # on CPU | float32 | bfloat16 | float16
+    dtype: str = "auto"
 
 
 @dataclass
@@ -151,11 +159,20 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = -1                   # -1 = off
     do_sample: bool = True
+    prompt_length: int = "${data.max_prompt_length}"  # type: ignore[assignment]
     response_length: int = "${data.max_response_length}"  # type: ignore[assignment]
     generation_batch_size: int = 256  # sequences generated at once; bounds memory
     log_prob_micro_batch_size_per_gpu: int = 64
     calculate_log_probs: bool = False  # also return the sampler's own log-probs (rollout_log_probs)
     stop_token_ids: list[int] = field(default_factory=list)  # besides the tokenizer's EOS
+    # false: compiled decoding — vllm captures CUDA graphs; hf uses a static KV cache, which transformers compiles
+    # with torch.compile on CUDA (on CPU the static cache runs uncompiled)
+    enforce_eager: bool = True
+    free_cache_engine: bool = True    # give the KV-cache memory back after each rollout (vllm: sleep/wake_up; hf: empty the CUDA cache)
+    gpu_memory_utilization: float = 0.5  # vllm: the share of the GPU its weights + KV cache may take
+    tensor_model_parallel_size: int = 1  # vllm: GPUs per engine (a divisor of the workers per node)
+    max_num_seqs: int = 256           # vllm: sequences scheduled at once
+    max_model_len: Optional[int] = None  # vllm: null = data.max_prompt_length + data.max_response_length
     seed: int = 0                     # sampling is seeded by (seed, step): a re-run step draws the same samples
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
 
@@ -288,7 +305,7 @@ class TrainerConfig:
     experiment_name: str = "demo"     # the MLflow run name
     total_epochs: int = 1000          # training stops at whichever of total_epochs / total_training_steps comes first
     total_training_steps: Optional[int] = 100  # null = total_epochs passes over the data
-    device: str = "cpu"               # cpu | cuda
+    device: str = "auto"              # auto (cuda when the cluster has GPUs) | cpu | cuda
     n_gpus_per_node: int = 1          # workers per node (one per GPU; on CPU, one per process)
     nnodes: int = 1
     cpus_per_worker: Optional[int] = None  # null = a node's CPUs shared out evenly between its workers
@@ -332,6 +349,8 @@ class PPOTrainerConfig:
 
 def default_config() -> DictConfig:
     """The whole default config as a typed OmegaConf node (what ``ppoflow config`` prints with no overrides)."""
+    from omegaconf import OmegaConf  # imported here: rl_core's workers run without OmegaConf (bench/gpu_check.py)
+
     return OmegaConf.structured(PPOTrainerConfig)
 
 
@@ -346,7 +365,9 @@ CHOICES = {
     "reward.reward_manager": ("naive", "batch"),
     "reward.on_error": ("raise", "zero"),
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
-    "trainer.device": ("cpu", "cuda"),
+    "trainer.device": DEVICES,
+    "actor_rollout_ref.actor.fsdp_config.dtype": tuple(COMPUTE_DTYPES),
+    "critic.fsdp.dtype": tuple(COMPUTE_DTYPES),
     "trainer.resume_mode": ("auto", "disable", "resume_path"),
 }
 POSITIVE = (
@@ -355,6 +376,7 @@ POSITIVE = (
     "actor_rollout_ref.actor.ppo_epochs", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
     "actor_rollout_ref.rollout.n", "actor_rollout_ref.rollout.generation_batch_size",
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", "actor_rollout_ref.rollout.val_kwargs.n",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size", "actor_rollout_ref.rollout.max_num_seqs",
     "critic.ppo_micro_batch_size_per_gpu", "critic.forward_micro_batch_size_per_gpu", "reward_model.micro_batch_size_per_gpu",
     "trainer.total_epochs", "trainer.n_gpus_per_node", "trainer.nnodes", "trainer.worker_timeout_s",
 )
@@ -366,6 +388,8 @@ class ConfigValueError(ValueError):
 
 def check_config(config: Any) -> None:
     """Refuse values that the types allow but the run cannot use, naming the key and the fix."""
+    from omegaconf import OmegaConf
+
     from rl_core.algos import ADVANTAGE_ESTIMATORS, KL_PENALTIES, LOSS_AGG_MODES, POLICY_LOSSES
 
     registered = {  # the algorithm registries, as they are when the config is checked (a plugin may add to them)
@@ -400,6 +424,13 @@ def check_config(config: Any) -> None:
             raise ConfigValueError("actor_rollout_ref.actor.recompute_old_log_prob=false needs ppo_epochs=1, ppo_mini_batch_size = "
                                    "data.train_batch_size (one update of the policy the responses came from) and no "
                                    "algorithm.use_kl_in_reward (it needs the old log-probs before the advantage)")
+    rollout = config.actor_rollout_ref.rollout
+    if not 0 < rollout.gpu_memory_utilization <= 1:
+        raise ConfigValueError(f"actor_rollout_ref.rollout.gpu_memory_utilization={rollout.gpu_memory_utilization}: a share of the GPU in (0, 1]")
+    tp = rollout.tensor_model_parallel_size
+    if tp > 1 and (rollout.name != "vllm" or config.trainer.n_gpus_per_node % tp):
+        raise ConfigValueError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}: tensor parallelism needs rollout.name=vllm "
+                               f"and a divisor of trainer.n_gpus_per_node={config.trainer.n_gpus_per_node}")
     if not config.actor_rollout_ref.hybrid_engine:
         raise ConfigValueError("actor_rollout_ref.hybrid_engine=false: only the hybrid engine (rollout in the actor's worker, "
                                "sharing its weights) is built; set it to true")

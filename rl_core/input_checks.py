@@ -5,8 +5,12 @@ fix; all of them are reported together."""
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
+import os
 from typing import Any
+
+import torch
 
 from rl_core.data.dataset import DatasetError, peek_rows, validate_row
 from rl_core.models.folder import ModelLoadError, check_model_folder
@@ -88,9 +92,29 @@ def reward_problems(config: Any) -> list[str]:
     return []
 
 
+def device_problems(config: Any) -> list[str]:
+    """For a local cluster (no trainer.ray.address, no RAY_ADDRESS): ``trainer.device=cuda`` where torch sees no GPU,
+    ``rollout.name=vllm`` without vLLM or without a GPU. A remote cluster's GPUs are checked once connected
+    (flows.workers.worker_device), vLLM when the workers build the engine."""
+    local = not (config.trainer.ray.address or os.environ.get("RAY_ADDRESS"))
+    if not local:
+        return []
+    problems = []
+    if config.trainer.device == "cuda" and not torch.cuda.is_available():
+        problems.append("trainer.device=cuda but torch sees no GPU on this machine (CPU-only torch build, or no visible device); "
+                        "set trainer.device=cpu (or auto), or point trainer.ray.address at a GPU cluster")
+    if config.actor_rollout_ref.rollout.name == "vllm":
+        if importlib.util.find_spec("vllm") is None:
+            problems.append("actor_rollout_ref.rollout.name=vllm but vLLM is not installed; on a GPU machine run "
+                            "`pip install 'ppoflow[gpu]'`, or use actor_rollout_ref.rollout.name=hf")
+        elif config.trainer.device == "cpu" or not torch.cuda.is_available():
+            problems.append("actor_rollout_ref.rollout.name=vllm runs on CUDA GPUs only; use actor_rollout_ref.rollout.name=hf on the CPU")
+    return problems
+
+
 def check_run_inputs(config: Any) -> None:
-    """Raise InputError listing every problem of the data, model and reward inputs (keys left null for the embedded
-    demo are skipped: it fills them in)."""
-    problems = data_problems(config) + model_problems(config) + reward_problems(config)
+    """Raise InputError listing every problem of the data, model, reward and device inputs (keys left null for the
+    embedded demo are skipped: it fills them in)."""
+    problems = data_problems(config) + model_problems(config) + reward_problems(config) + device_problems(config)
     if problems:
         raise InputError("\n".join(problems))

@@ -11,6 +11,7 @@ otherwise the Hugging Face auto-class mappings are searched in order CausalLM, V
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -107,8 +108,17 @@ def load_policy_tokenizer(model_config: Any) -> PreTrainedTokenizerBase:
                           model_config.custom_chat_template)
 
 
-def load_policy_model(model_config: Any) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The actor/ref model and tokenizer described by an ``actor_rollout_ref.model`` config node."""
+def attention_implementation(device: str = "cpu", compute_dtype: torch.dtype = torch.float32) -> str:
+    """``flash_attention_2`` (variable-length kernels: the padding-free forward skips padding entirely) on CUDA with
+    half-precision compute when the ``flash_attn`` package is installed; PyTorch's SDPA otherwise."""
+    if device == "cuda" and compute_dtype in (torch.bfloat16, torch.float16) and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def load_policy_model(model_config: Any, device: str = "cpu", compute_dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The actor/ref model and tokenizer described by an ``actor_rollout_ref.model`` config node (on the CPU; the
+    attention kernels are chosen for the ``device`` and ``compute_dtype`` it will run in)."""
     path = model_config.path
     trust_remote_code = bool(model_config.trust_remote_code)
     import_external_lib(model_config.external_lib)
@@ -117,7 +127,7 @@ def load_policy_model(model_config: Any) -> tuple[PreTrainedModel, PreTrainedTok
     model_class = resolve_model_class(hf_config, trust_remote_code)
     model = model_class.from_pretrained(
         local_model_path(path), config=hf_config, dtype=torch_dtype(model_config.dtype),
-        trust_remote_code=trust_remote_code, attn_implementation="sdpa",
+        trust_remote_code=trust_remote_code, attn_implementation=attention_implementation(device, compute_dtype),
     )
     if model_config.enable_gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

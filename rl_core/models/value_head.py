@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModel, AutoModelForTokenClassification, PreTrainedModel, PreTrainedTokenizerBase
 
-from rl_core.models.loading import import_external_lib, load_hf_config, load_tokenizer, local_model_path, torch_dtype
+from rl_core.models.loading import attention_implementation, import_external_lib, load_hf_config, load_tokenizer, local_model_path, torch_dtype
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 
@@ -48,8 +48,9 @@ class ValueHeadModel(torch.nn.Module):
         self.body.gradient_checkpointing_enable(**kwargs)
 
 
-def load_critic_model(model_config: Any) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
-    """The critic described by a ``critic.model`` config node (token classification, else body + value head)."""
+def load_critic_model(model_config: Any, device: str = "cpu", compute_dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
+    """The critic described by a ``critic.model`` config node (token classification, else body + value head); on the
+    CPU, with attention kernels for the ``device`` and ``compute_dtype`` it will run in."""
     path = model_config.path
     trust_remote_code = bool(model_config.trust_remote_code)
     import_external_lib(model_config.external_lib)
@@ -59,11 +60,12 @@ def load_critic_model(model_config: Any) -> tuple[torch.nn.Module, PreTrainedTok
     if hasattr(hf_config, "classifier_dropout"):
         hf_config.classifier_dropout = 0.0
     dtype = torch_dtype(model_config.dtype)
+    attention = attention_implementation(device, compute_dtype)
     folder = local_model_path(path, "critic.model.path")
     if type(hf_config) in AutoModelForTokenClassification._model_mapping and not (folder / VALUE_HEAD_FILE).exists():
-        model: torch.nn.Module = AutoModelForTokenClassification.from_pretrained(folder, config=hf_config, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa")
+        model: torch.nn.Module = AutoModelForTokenClassification.from_pretrained(folder, config=hf_config, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation=attention)
     else:
-        model = ValueHeadModel(AutoModel.from_pretrained(folder, config=hf_config, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa"))
+        model = ValueHeadModel(AutoModel.from_pretrained(folder, config=hf_config, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation=attention))
         if (folder / VALUE_HEAD_FILE).exists():
             model.value_head.load_state_dict(load_file(str(folder / VALUE_HEAD_FILE)))
     if model_config.enable_gradient_checkpointing:

@@ -3,7 +3,12 @@
 In the hybrid engine the model is the actor's own module, so rollout always samples from the live weights
 (no weight sync needed on one device). Generation runs in chunks of ``generation_batch_size`` sequences to
 bound memory; sampling is seeded from (``rollout.seed``, global step, chunk) so that runs are repeatable and a
-resumed run draws the same samples.
+resumed run draws the same samples. Everything stays on the model's device.
+
+``rollout.enforce_eager=false`` decodes with a static (pre-allocated) KV cache, which transformers compiles with
+``torch.compile`` on CUDA (one compilation per prompt-length bucket, then CUDA-graph-friendly decode steps); on the
+CPU it runs uncompiled. ``rollout.free_cache_engine`` returns the cached CUDA blocks of the KV cache to the allocator
+after each rollout, for the update that follows.
 """
 
 from __future__ import annotations
@@ -63,6 +68,8 @@ class HFRolloutEngine:
             pieces = [self._generate_chunk(chunk, settings, seed * 7919 + i) for i, chunk in enumerate(repeated.split(self.chunk_size))]
         finally:
             self.model.train(was_training)
+            if self.config.free_cache_engine and torch.cuda.is_available():
+                torch.cuda.empty_cache()
         responses = torch.cat([p[0] for p in pieces])
         out = assemble_sequences(repeated, responses, response_mask_until_stop(responses, self.stop_token_ids), self.pad_token_id)
         if pieces[0][1] is not None:
@@ -77,8 +84,8 @@ class HFRolloutEngine:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(seed)
             output = self.model.generate(
-                input_ids=input_ids.to(device),
-                attention_mask=chunk.tensors["attention_mask"].to(device),
+                input_ids=input_ids,
+                attention_mask=chunk.tensors["attention_mask"],
                 max_new_tokens=self.response_length,
                 min_new_tokens=0,
                 do_sample=settings["do_sample"],
@@ -88,6 +95,8 @@ class HFRolloutEngine:
                 eos_token_id=self.stop_token_ids,
                 pad_token_id=self.pad_token_id,
                 use_cache=True,
+                cache_implementation=None if self.config.enforce_eager else "static",
+                disable_compile=bool(self.config.enforce_eager),
                 return_dict_in_generate=True,
                 output_scores=want_log_probs,
             )
@@ -97,11 +106,12 @@ class HFRolloutEngine:
         if want_log_probs:
             scores = torch.stack(output.scores, dim=1)  # processed (temperature, top-k/p) logits per new token
             log_probs = token_log_probs(scores, responses)
-            log_probs = torch.nn.functional.pad(log_probs, (0, pad), value=0.0).cpu()
-        responses = torch.nn.functional.pad(responses, (0, pad), value=self.pad_token_id).cpu()
+            log_probs = torch.nn.functional.pad(log_probs, (0, pad), value=0.0)
+        responses = torch.nn.functional.pad(responses, (0, pad), value=self.pad_token_id)
         return responses, log_probs
 
 
 @register_rollout_engine("hf")
-def _build_hf_engine(model: torch.nn.Module, tokenizer: Any, rollout_config: Any) -> HFRolloutEngine:
+def _build_hf_engine(model: torch.nn.Module, tokenizer: Any, rollout_config: Any, **_: Any) -> HFRolloutEngine:
+    """The HF engine generates with the actor's module itself, in the worker's autocast: it needs no model config."""
     return HFRolloutEngine(model, tokenizer, rollout_config)

@@ -2,7 +2,12 @@
 
 ``role`` is any combination of ``actor``, ``rollout`` and ``ref`` (``actor_rollout_ref``, ``actor_rollout``,
 ``ref``, ...). In the hybrid engine the rollout engine samples with the actor's own module, so generation
-always uses the live weights. With LoRA the reference policy is the same module with the adapter disabled.
+always uses the live weights (the vllm engine gets them pushed after each update). With LoRA the reference policy
+is the same module with the adapter disabled.
+
+Models live on ``device`` (``cpu`` or ``cuda``, chosen by the controller from ``trainer.device``); each stage gets
+its Batch moved there and returns its result on the CPU (:func:`rl_core.device.on_worker_device`). Forward passes
+run in ``actor.fsdp_config.dtype`` over ``model.dtype`` weights (mixed precision, :func:`rl_core.device.autocast`).
 
 Stage methods take and return :class:`rl_core.batch.Batch`:
   generate_sequences(prompts)  -> sequences (see rl_core.rollout.base)
@@ -14,6 +19,7 @@ Stage methods take and return :class:`rl_core.batch.Batch`:
 from __future__ import annotations
 
 import contextlib
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +31,9 @@ from rl_core.algos.masked import masked_mean
 from rl_core.algos.policy_loss import get_policy_loss_fn
 from rl_core.batch import Batch
 from rl_core.checkpoint import rng_state, set_rng_state
+from rl_core.device import autocast, compute_dtype, cuda_memory_metrics, on_worker_device, synchronize
 from rl_core.models.loading import load_policy_model
+from rl_core.models.flops import mfu, training_flops
 from rl_core.models.logprob import response_log_probs
 from rl_core.models.lora import adapter_disabled, apply_lora, uses_lora
 from rl_core.models.optim import build_lr_scheduler, build_optimizer
@@ -54,7 +62,7 @@ class LossConfig:
 
 
 class ActorRolloutRefWorker:
-    def __init__(self, config: Any, role: str = "actor_rollout_ref"):
+    def __init__(self, config: Any, role: str = "actor_rollout_ref", device: str = "cpu"):
         parts = set(role.split("_"))
         if not parts or not parts <= set(ROLES):
             raise ValueError(f"role={role!r}: combine {ROLES} with '_' (e.g. actor_rollout_ref)")
@@ -63,6 +71,8 @@ class ActorRolloutRefWorker:
         self.model_config = config.model
         self.actor_config = config.actor
         self.rollout_config = config.rollout
+        self.device = device
+        self.compute_dtype = compute_dtype(config.actor.fsdp_config.dtype, device)
         self.module: torch.nn.Module | None = None
         self.ref_module: torch.nn.Module | None = None
         self.steps_trained = 0    # updates done
@@ -76,8 +86,8 @@ class ActorRolloutRefWorker:
         With a world size > 1 the models are sharded with FSDP2 (each rank holds a slice of the weights)."""
         fsdp_config = self.actor_config.fsdp_config
         if self.is_actor or self.is_rollout:
-            model, self.tokenizer = load_policy_model(self.model_config)
-            self.module = shard_module(apply_lora(model, self.model_config), fsdp_config)
+            model, self.tokenizer = load_policy_model(self.model_config, self.device, self.compute_dtype)
+            self.module = shard_module(apply_lora(model, self.model_config).to(self.device), fsdp_config, self.compute_dtype)
         if self.is_actor:
             optim_config = self.actor_config.optim
             self.optimizer = build_optimizer(self.module.parameters(), optim_config)
@@ -86,21 +96,24 @@ class ActorRolloutRefWorker:
             if self.module is not None and uses_lora(self.model_config):
                 self.ref_module = self.module  # the base weights, with the adapter disabled in compute_ref_log_prob
             else:
-                self.ref_module, self.tokenizer = load_policy_model(self.model_config)
-                self.ref_module = shard_module(self.ref_module.requires_grad_(False).eval(), fsdp_config)
+                self.ref_module, self.tokenizer = load_policy_model(self.model_config, self.device, self.compute_dtype)
+                self.ref_module = shard_module(self.ref_module.requires_grad_(False).eval().to(self.device), fsdp_config, self.compute_dtype)
         if self.is_rollout:
-            self.rollout = build_rollout_engine(self.rollout_config.name, model=self.module,
-                                                tokenizer=self.tokenizer, rollout_config=self.rollout_config)
+            self.rollout = build_rollout_engine(self.rollout_config.name, model=self.module, tokenizer=self.tokenizer,
+                                                rollout_config=self.rollout_config, model_config=self.model_config,
+                                                compute_dtype=self.compute_dtype)
 
     # ------------------------------------------------------------------ stages
     @dispatch(DP_COMPUTE)
+    @on_worker_device
     def generate_sequences(self, prompts: Batch) -> Batch:
         """Each rank samples for its shard of prompts with the full (gathered) live weights."""
         self._require(self.is_rollout, "generate_sequences", "rollout")
-        with full_parameters(self.module):
+        with full_parameters(self.module), autocast(self.device, self.compute_dtype):
             return self.rollout.generate_sequences(prompts)
 
     @dispatch(DP_COMPUTE)
+    @on_worker_device
     @torch.no_grad()
     def compute_log_prob(self, batch: Batch) -> Batch:
         """old_log_probs and entropys of the responses under the current actor."""
@@ -112,6 +125,7 @@ class ActorRolloutRefWorker:
         return out
 
     @dispatch(DP_COMPUTE)
+    @on_worker_device
     @torch.no_grad()
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         self._require(self.is_ref, "compute_ref_log_prob", "ref")
@@ -121,11 +135,13 @@ class ActorRolloutRefWorker:
         return Batch({"ref_log_prob": log_probs})
 
     @dispatch(DP_COMPUTE)
+    @on_worker_device
     def update_actor(self, batch: Batch) -> Batch:
         """One PPO update on ``batch`` (needs responses, response_mask, old_log_probs, advantages; ref_log_prob
         with ``use_kl_loss``); then one LR-scheduler step. Without ``recompute_old_log_prob`` the old log-probs are
         this update's own log-probs, detached (one epoch, one mini-batch: the same numbers), and the entropy metric
-        that ``compute_log_prob`` reports comes from here."""
+        that ``compute_log_prob`` reports comes from here. On a GPU it also reports ``perf/mfu/actor`` (the update's model
+        FLOPs over its time and the GPU's peak) and the step's peak CUDA memory."""
         self._require(self.is_actor, "update_actor", "actor")
         self.updates_started += 1
         actor = self.actor_config
@@ -137,6 +153,7 @@ class ActorRolloutRefWorker:
         reuse_log_prob = not bool(actor.recompute_old_log_prob)
         temperature = batch.meta_info.get("temperature", 1.0)
         entropy_sums = torch.zeros(2, dtype=torch.float64)  # (sum of entropy over valid tokens, valid tokens)
+        started = time.perf_counter()
 
         def micro_loss(micro: Batch, info: dict[str, float]) -> tuple[torch.Tensor, dict[str, float]]:
             mask = micro.tensors["response_mask"]
@@ -173,6 +190,10 @@ class ActorRolloutRefWorker:
             metrics["actor/kl_coef"] = float(actor.kl_loss_coef)
         if reuse_log_prob:
             metrics["actor/entropy"] = float(entropy_sums[0] / entropy_sums[1].clamp(min=1))
+        synchronize(self.device)
+        flops = training_flops(self.module, batch.tensors["attention_mask"].sum(-1)) * int(actor.ppo_epochs)
+        metrics.update(mfu("actor", flops, time.perf_counter() - started, self.device, self.compute_dtype))
+        metrics.update(cuda_memory_metrics(self.device))
         self.lr_scheduler.step()
         self.steps_trained += 1
         return Batch(meta_info={"metrics": metrics})
@@ -193,12 +214,13 @@ class ActorRolloutRefWorker:
 
     # ------------------------------------------------------------------ helpers
     def _micro_log_probs(self, module: torch.nn.Module, micro: Batch, temperature: float, calculate_entropy: bool):
-        return response_log_probs(
-            module, micro.tensors["input_ids"], micro.tensors["attention_mask"], micro.tensors["position_ids"],
-            micro.tensors["responses"].shape[-1], temperature=temperature, calculate_entropy=calculate_entropy,
-            remove_padding=bool(self.model_config.use_remove_padding),
-            entropy_chunk_size=int(self.actor_config.entropy_from_logits_chunk_size),
-        )
+        with autocast(self.device, self.compute_dtype):
+            return response_log_probs(
+                module, micro.tensors["input_ids"], micro.tensors["attention_mask"], micro.tensors["position_ids"],
+                micro.tensors["responses"].shape[-1], temperature=temperature, calculate_entropy=calculate_entropy,
+                remove_padding=bool(self.model_config.use_remove_padding),
+                entropy_chunk_size=int(self.actor_config.entropy_from_logits_chunk_size),
+            )
 
     def _log_probs(self, module: torch.nn.Module, batch: Batch, micro_batch_size: int, calculate_entropy: bool):
         module.eval()

@@ -1,4 +1,6 @@
-"""``CriticWorker``: the value model — ``compute_values`` before the advantage, ``update_critic`` after it."""
+"""``CriticWorker``: the value model — ``compute_values`` before the advantage, ``update_critic`` after it.
+
+On ``device`` with ``critic.fsdp.dtype`` compute, like the actor (see :mod:`rl_core.workers.actor_rollout_ref`)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import torch
 from rl_core.algos.masked import masked_mean
 from rl_core.algos.value import compute_value_loss
 from rl_core.batch import Batch
+from rl_core.device import autocast, compute_dtype, on_worker_device
 from rl_core.models.logprob import response_values
 from rl_core.models.lora import apply_lora
 from rl_core.models.optim import build_lr_scheduler, build_optimizer
@@ -21,34 +24,40 @@ from rl_core.workers.train_loop import local_mini_batch_size, run_updates
 
 
 class CriticWorker:
-    def __init__(self, config: Any):
+    def __init__(self, config: Any, device: str = "cpu"):
         self.config = config
+        self.device = device
+        self.compute_dtype = compute_dtype(config.fsdp.dtype, device)
         self.model_config = config.model
         self.steps_trained = 0    # updates done
         self.updates_started = 0  # updates begun (see ActorRolloutRefWorker)
 
     @dispatch(ONE_TO_ALL)
     def init_model(self) -> None:
-        model, self.tokenizer = load_critic_model(self.model_config)
-        self.module = shard_module(apply_lora(model, self.model_config, task_type="TOKEN_CLS"), self.config.fsdp)
+        model, self.tokenizer = load_critic_model(self.model_config, self.device, self.compute_dtype)
+        self.module = shard_module(apply_lora(model, self.model_config, task_type="TOKEN_CLS").to(self.device), self.config.fsdp, self.compute_dtype)
         optim_config = self.config.optim
         self.optimizer = build_optimizer(self.module.parameters(), optim_config)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, optim_config)
 
     def _values(self, micro: Batch) -> torch.Tensor:
-        return response_values(self.module, micro.tensors["input_ids"], micro.tensors["attention_mask"], micro.tensors["position_ids"],
-                               micro.tensors["responses"].shape[-1], remove_padding=bool(self.model_config.use_remove_padding))
+        with autocast(self.device, self.compute_dtype):
+            values = response_values(self.module, micro.tensors["input_ids"], micro.tensors["attention_mask"], micro.tensors["position_ids"],
+                                     micro.tensors["responses"].shape[-1], remove_padding=bool(self.model_config.use_remove_padding))
+        return values.float()
 
     @dispatch(DP_COMPUTE)
+    @on_worker_device
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> Batch:
         """V(s_t) for every response position, zero outside the response mask."""
         self.module.eval()
         micro = int(self.config.forward_micro_batch_size_per_gpu)
         values = torch.cat([self._values(m) for m in batch.split(micro)]) * batch.tensors["response_mask"]
-        return Batch({"values": values.float()})
+        return Batch({"values": values})
 
     @dispatch(DP_COMPUTE)
+    @on_worker_device
     def update_critic(self, batch: Batch) -> Batch:
         """Value-loss updates on ``batch`` (needs values, returns, response_mask); one LR-scheduler step."""
         self.updates_started += 1

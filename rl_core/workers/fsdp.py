@@ -21,17 +21,18 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from rl_core.workers.data_parallel import world_size
 
 
-def init_distributed_from_env() -> None:
-    """Join the process group described by RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (gloo on CPU, nccl on GPU)."""
+def init_distributed_from_env(backend: str = "gloo") -> None:
+    """Join the process group described by RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (``gloo`` for workers on the
+    CPU, ``nccl`` for workers on GPUs)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1 or dist.is_initialized():
         return
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend, rank=int(os.environ["RANK"]), world_size=world)
@@ -49,11 +50,16 @@ def _blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
     return [sub for sub in module.modules() if type(sub).__name__ in names]
 
 
-def shard_module(module: torch.nn.Module, fsdp_config: Any = None) -> torch.nn.Module:
-    """``fully_shard`` the blocks and the root when the world size is > 1; the module itself otherwise."""
+def shard_module(module: torch.nn.Module, fsdp_config: Any = None, compute_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """``fully_shard`` the blocks and the root when the world size is > 1 (on a device mesh of the module's device
+    type; parameters gathered in ``compute_dtype``, gradients reduced in float32); the module itself otherwise."""
     if world_size() <= 1:
         return module
-    kwargs = {"offload_policy": CPUOffloadPolicy()} if fsdp_config.param_offload else {}
+    device_type = next(module.parameters()).device.type
+    kwargs: dict[str, Any] = {"mesh": init_device_mesh(device_type, (world_size(),)),
+                              "mp_policy": MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)}
+    if fsdp_config.param_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
     for block in _blocks(module):
         fully_shard(block, **kwargs)
     fully_shard(module, **kwargs)

@@ -14,13 +14,15 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from rl_core.batch import Batch
+from rl_core.device import on_worker_device
 from rl_core.models.loading import load_hf_config, load_tokenizer, local_model_path, torch_dtype
 from rl_core.workers.dispatch import DP_COMPUTE, ONE_TO_ALL, dispatch
 
 
 class RewardModelWorker:
-    def __init__(self, config: Any):
+    def __init__(self, config: Any, device: str = "cpu"):
         self.config = config
+        self.device = device  # the model computes in its own reward_model.model.dtype
         self.model_config = config.model
 
     @dispatch(ONE_TO_ALL)
@@ -32,7 +34,7 @@ class RewardModelWorker:
         self.module = AutoModelForSequenceClassification.from_pretrained(
             local_model_path(path, "reward_model.model.path"), config=hf_config,
             dtype=torch_dtype(self.model_config.dtype), trust_remote_code=trust_remote_code,
-        ).eval()
+        ).eval().to(self.device)
         self.tokenizer = load_tokenizer(path, trust_remote_code)
         self.tokenizer.padding_side = "right"
         input_tokenizer = self.model_config.input_tokenizer
@@ -55,9 +57,10 @@ class RewardModelWorker:
             texts.append(self.tokenizer.apply_chat_template(messages, tokenize=False) if self.tokenizer.chat_template else
                          "\n".join(m["content"] for m in messages))
         encoded = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        return encoded["input_ids"], encoded["attention_mask"]
+        return encoded["input_ids"].to(self.device), encoded["attention_mask"].to(self.device)
 
     @dispatch(DP_COMPUTE)
+    @on_worker_device
     @torch.no_grad()
     def compute_rm_score(self, batch: Batch) -> Batch:
         micro_batch_size = int(self.config.micro_batch_size_per_gpu)
@@ -70,6 +73,6 @@ class RewardModelWorker:
                 scores.append(self._sequence_scores(micro.tensors["input_ids"], micro.tensors["attention_mask"], micro.tensors["position_ids"]))
         response_mask = batch.tensors["response_mask"]
         last = (response_mask.sum(-1) - 1).clamp(min=0)
-        rm_scores = torch.zeros(response_mask.shape, dtype=torch.float32)
-        rm_scores[torch.arange(len(batch)), last] = torch.cat(scores)
+        rm_scores = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
+        rm_scores[torch.arange(len(batch), device=last.device), last] = torch.cat(scores)
         return Batch({"rm_scores": rm_scores})

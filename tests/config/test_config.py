@@ -65,7 +65,7 @@ def test_code_takes_its_defaults_from_the_schema():
     ("trainer.total_training_steps=-5", "trainer.total_training_steps=-5: must be > 0"),
     ("actor_rollout_ref.rollout.n=0", "actor_rollout_ref.rollout.n=0: must be > 0"),
     ("actor_rollout_ref.actor.optim.lr=nan", "actor_rollout_ref.actor.optim.lr=nan: must be a finite number > 0"),
-    ("trainer.device=tpu", "trainer.device='tpu': choose one of cpu, cuda"),
+    ("trainer.device=tpu", "trainer.device='tpu': choose one of auto, cpu, cuda"),
     ("actor_rollout_ref.actor.strategy=megatron", "actor_rollout_ref.actor.strategy='megatron': choose one of fsdp, fsdp2"),
     ("actor_rollout_ref.hybrid_engine=false", "only the hybrid engine"),
     ("actor_rollout_ref.actor.ppo_mini_batch_size=64", "cannot be larger than the step's batch"),

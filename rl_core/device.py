@@ -1,0 +1,89 @@
+"""Where a worker computes: its device (``cpu`` | ``cuda``), the dtype of its compute, and its CUDA memory figures.
+
+* :func:`resolve_device` turns ``trainer.device`` (``auto`` | ``cpu`` | ``cuda``) into the device the workers use,
+  from the GPUs the cluster has; ``cuda`` without one is a :class:`DeviceError` raised before any worker starts.
+* Weights are stored in ``model.dtype`` (verl's ``model_dtype``: float32 master weights by default) and the forward
+  and backward passes run in ``fsdp_config.dtype`` (``auto``: bfloat16 on CUDA, float32 on CPU) under
+  :func:`autocast` — the usual mixed precision: bf16 matmuls, fp32 weights, gradients and optimizer state.
+* :func:`on_worker_device` moves a stage's Batch to the worker's device on the way in and the result back to the
+  CPU on the way out (what crosses Ray, checkpoints and the controller is always on the CPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from rl_core.batch import Batch
+
+DEVICES = ("auto", "cpu", "cuda")
+COMPUTE_DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+                  "float16": torch.float16, "fp16": torch.float16}
+
+
+class DeviceError(RuntimeError):
+    """The configured device does not exist where the workers run."""
+
+
+def resolve_device(requested: str, gpus: float) -> str:
+    """``cpu`` or ``cuda`` for ``trainer.device=requested`` on a cluster with ``gpus`` GPUs in all."""
+    if requested not in DEVICES:
+        raise DeviceError(f"trainer.device={requested!r}: choose one of {', '.join(DEVICES)}")
+    if requested == "auto":
+        return "cuda" if gpus > 0 else "cpu"
+    if requested == "cuda" and gpus <= 0:
+        raise DeviceError("trainer.device=cuda but the cluster has no GPU (torch sees none, or the Ray nodes report GPU: 0); "
+                          "run on a GPU machine, or set trainer.device=cpu (or auto)")
+    return requested
+
+
+def compute_dtype(name: str, device: str) -> torch.dtype:
+    """The dtype of forward/backward compute for ``fsdp_config.dtype=name`` on ``device``."""
+    if name not in COMPUTE_DTYPES:
+        raise DeviceError(f"fsdp_config.dtype={name!r}: choose one of {', '.join(COMPUTE_DTYPES)}")
+    chosen = COMPUTE_DTYPES[name]
+    if chosen is None:
+        return torch.bfloat16 if device == "cuda" else torch.float32
+    return chosen
+
+
+def autocast(device: str, dtype: torch.dtype) -> contextlib.AbstractContextManager:
+    """Mixed-precision compute in ``dtype`` (a no-op for float32)."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
+
+
+def on_worker_device(method: Callable) -> Callable:
+    """Decorate a worker stage: Batch arguments go to ``self.device``, the Batch result comes back on the CPU."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        args = tuple(a.to(self.device) if isinstance(a, Batch) else a for a in args)
+        kwargs = {k: v.to(self.device) if isinstance(v, Batch) else v for k, v in kwargs.items()}
+        result = method(self, *args, **kwargs)
+        return result.to("cpu") if isinstance(result, Batch) else result
+
+    return wrapper
+
+
+def cuda_memory_metrics(device: str) -> dict[str, float]:
+    """The worker process's peak CUDA memory since the last call (``perf/max_memory_allocated_gb``,
+    ``perf/max_memory_reserved_gb``); the peaks are reset, so each step reports its own (the actor's update reports
+    them: its peak covers every role fused in the process). Empty on the CPU."""
+    if device != "cuda":
+        return {}
+    metrics = {"perf/max_memory_allocated_gb": torch.cuda.max_memory_allocated() / 2**30,
+               "perf/max_memory_reserved_gb": torch.cuda.max_memory_reserved() / 2**30}
+    torch.cuda.reset_peak_memory_stats()
+    return metrics
+
+
+def synchronize(device: str) -> None:
+    """Wait for the device's queued work (timings of CUDA work need it)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
