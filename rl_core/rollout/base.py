@@ -39,8 +39,7 @@ def register_rollout_engine(name: str) -> Callable:
 
 def build_rollout_engine(name: str, **kwargs: Any) -> RolloutEngine:
     if name not in ROLLOUT_ENGINES:
-        hint = " (vllm runs on GPU machines: `pip install 'ppoflow[gpu]'`)" if name == "vllm" else ""
-        raise ValueError(f"actor_rollout_ref.rollout.name={name!r} is not available{hint}; available: {sorted(ROLLOUT_ENGINES)}")
+        raise ValueError(f"actor_rollout_ref.rollout.name={name!r} is not available; available: {sorted(ROLLOUT_ENGINES)}")
     return ROLLOUT_ENGINES[name](**kwargs)
 
 

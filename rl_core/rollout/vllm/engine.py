@@ -1,0 +1,148 @@
+"""The ``vllm`` rollout engine: vLLM in the actor's process on the actor's GPU (verl's hybrid engine).
+
+Per rollout::
+
+    wake_up(weights) -> load the actor's current weights (once per global step) -> wake_up(kv_cache)
+    -> generate n samples per prompt from the token ids -> sleep(level 2: weights and KV cache freed)
+
+so that between rollouts the whole GPU belongs to training (with ``free_cache_engine=false`` the engine stays awake
+and keeps ``gpu_memory_utilization`` of the GPU). The weights are the actor module's own, renamed and LoRA-merged
+by :func:`rl_core.rollout.vllm.weights.inference_weights`. A level-2 sleep discards them, so a sleeping engine loads
+them at every rollout; an engine that stays awake reloads them only when ``meta_info["global_step"]`` changes (the
+actor's weights change only in ``update_actor``, once per global step).
+
+Output: the layout of :mod:`rl_core.rollout.base` (responses right-padded, response_mask up to and including the first
+stop token), ``rollout_log_probs`` from vLLM's sampled-token log-probs when ``calculate_log_probs``.
+
+NEVER RUN: vLLM needs a CUDA GPU and its wheel pins its own torch, so it cannot be installed on this project's
+development or CI machines. This module is written against vLLM's documented Python API (``LLM``, ``SamplingParams``,
+``TokensPrompt``, ``sleep`` / ``wake_up(tags)``, ``collective_rpc`` with ``worker_extension_cls``, ``logprobs_mode``)
+for ``vllm>=0.11``; what is tested without vLLM is the config translation (:mod:`.settings`), the weight-name mapping
+(:mod:`.weights`) and the tensor-parallel slicing.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from rl_core.batch import Batch
+from rl_core.rollout.base import assemble_sequences, response_mask_until_stop
+from rl_core.rollout.hf_engine import sampling_settings
+from rl_core.rollout.vllm.settings import engine_arguments, sampling_arguments, tensor_parallel_slice
+from rl_core.rollout.vllm.weights import inference_weights
+
+
+class VLLMNotAvailableError(ImportError):
+    """rollout.name=vllm where vLLM is not installed (or there is no GPU)."""
+
+
+def import_vllm() -> Any:
+    try:
+        import vllm
+    except ImportError as error:
+        raise VLLMNotAvailableError(
+            f"actor_rollout_ref.rollout.name=vllm needs vLLM in the workers' environment ({error}); on a GPU machine run "
+            f"`pip install 'ppoflow[gpu]'`, or use actor_rollout_ref.rollout.name=hf") from error
+    return vllm
+
+
+class VLLMRolloutEngine:
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, rollout_config: Any, model_config: Any, compute_dtype: torch.dtype):
+        if not torch.cuda.is_available() or next(model.parameters()).device.type != "cuda":
+            raise VLLMNotAvailableError("actor_rollout_ref.rollout.name=vllm runs on CUDA GPUs only (the actor is on the CPU); "
+                                        "use actor_rollout_ref.rollout.name=hf, or trainer.device=cuda on a GPU cluster")
+        vllm = import_vllm()
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process: weights by reference
+        self.vllm = vllm
+        self.model = model
+        self.config = rollout_config
+        self.compute_dtype = compute_dtype
+        self.response_length = int(rollout_config.response_length)
+        eos = tokenizer.eos_token_id
+        self.stop_token_ids = sorted({*(eos if isinstance(eos, list) else [eos]), *rollout_config.stop_token_ids})
+        self.pad_token_id = tokenizer.pad_token_id
+        self.tp_size = int(rollout_config.tensor_model_parallel_size)
+        self.sleeps = bool(rollout_config.free_cache_engine)
+        self.llm = vllm.LLM(**engine_arguments(rollout_config, model_config, compute_dtype))
+        self.loaded_step: int | None = None
+        self._load_weights()
+        if self.sleeps:
+            self.llm.sleep(level=2)
+        self.awake = not self.sleeps
+
+    # ------------------------------------------------------------------ weights and memory
+    def _load_weights(self) -> None:
+        weights = list(inference_weights(self.model, self.compute_dtype))
+        self.llm.collective_rpc("load_actor_weights", args=(weights,))
+
+    def _wake_with_weights_of(self, step: int | None) -> None:
+        if self.sleeps:
+            self.llm.wake_up(tags=["weights"])
+        if step is None or step != self.loaded_step or self.sleeps:  # after a level-2 sleep the weights must be reloaded
+            self._load_weights()
+            self.loaded_step = step
+        if self.sleeps:
+            self.llm.wake_up(tags=["kv_cache"])
+        self.awake = True
+
+    def _sleep(self) -> None:
+        if self.sleeps and self.awake:
+            self.llm.sleep(level=2)
+            self.awake = False
+
+    # ------------------------------------------------------------------ generation
+    @torch.no_grad()
+    def generate_sequences(self, prompts: Batch) -> Batch:
+        settings = sampling_settings(self.config, prompts.meta_info)
+        step = prompts.meta_info.get("global_step")
+        group, counts = self._tensor_parallel_prompts(prompts)
+        base_seed = int(self.config.seed) * 1_000_003 + int(step or 0)
+        requests, params = [], []
+        for i in range(len(group)):
+            ids = group.tensors["input_ids"][i][group.tensors["attention_mask"][i].bool()].tolist()  # left padding dropped
+            requests.append({"prompt_token_ids": ids})
+            params.append(self.vllm.SamplingParams(**sampling_arguments(settings, self.response_length, self.stop_token_ids,
+                                                                        bool(self.config.calculate_log_probs), base_seed * 7919 + i)))
+        self._wake_with_weights_of(step)
+        try:
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+        finally:
+            self._sleep()
+        if counts is not None:  # keep this TP rank's own prompts' samples
+            rows = tensor_parallel_slice(counts, torch.distributed.get_rank() % self.tp_size)
+            outputs, group = outputs[rows], prompts
+        return self._to_batch(group, outputs, settings["n"])
+
+    def _to_batch(self, prompts: Batch, outputs: list[Any], n: int) -> Batch:
+        """verl's layout from vLLM's outputs (each prompt's n completions adjacent, as ``repeat_interleave`` orders)."""
+        device = prompts.tensors["input_ids"].device
+        repeated = prompts.repeat_interleave(n) if n > 1 else prompts
+        responses = torch.full((len(repeated), self.response_length), self.pad_token_id, dtype=torch.long)
+        log_probs = torch.zeros((len(repeated), self.response_length), dtype=torch.float32)
+        completions = [completion for output in outputs for completion in output.outputs]
+        for row, completion in enumerate(completions):
+            tokens = list(completion.token_ids)[: self.response_length]
+            responses[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            if completion.logprobs is not None:
+                log_probs[row, : len(tokens)] = torch.tensor([step[token].logprob for token, step in zip(tokens, completion.logprobs)])
+        responses, log_probs = responses.to(device), log_probs.to(device)
+        out = assemble_sequences(repeated, responses, response_mask_until_stop(responses, self.stop_token_ids), self.pad_token_id)
+        if self.config.calculate_log_probs:
+            out.tensors["rollout_log_probs"] = log_probs * out.tensors["response_mask"]
+        out.meta_info["temperature"] = sampling_settings(self.config, prompts.meta_info)["temperature"]
+        return out
+
+    def _tensor_parallel_prompts(self, prompts: Batch) -> tuple[Batch, list[int] | None]:
+        """With TP > 1: the union of the prompts of this rank's TP group (every TP rank submits the same requests)
+        and each rank's count; else the prompts themselves and None."""
+        if self.tp_size <= 1:
+            return prompts, None
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        first = rank - rank % self.tp_size
+        gathered: list[Any] = [None] * world
+        torch.distributed.all_gather_object(gathered, prompts.to("cpu"))
+        group = gathered[first : first + self.tp_size]
+        return Batch.concat(group).to(prompts.tensors["input_ids"].device), [len(b) for b in group]
