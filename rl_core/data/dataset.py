@@ -21,7 +21,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
 import torch
 
 from rl_core.batch import Batch
@@ -37,6 +36,8 @@ def read_rows(path: str | Path) -> list[dict]:
     if not path.is_file():
         raise DatasetError(f"{path}: no such dataset file")
     if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
         return pq.read_table(path).to_pylist()
     if path.suffix in (".jsonl", ".json"):
         rows = []
@@ -58,6 +59,8 @@ def peek_rows(path: str | Path, count: int) -> tuple[int, list[dict]]:
     if not path.is_file():
         raise DatasetError(f"{path}: no such dataset file")
     if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
         try:
             source = pq.ParquetFile(path)
             first = next(source.iter_batches(batch_size=count), None)
@@ -82,11 +85,12 @@ def peek_rows(path: str | Path, count: int) -> tuple[int, list[dict]]:
 
 def write_rows(rows: list[dict], path: str | Path) -> Path:
     """Write rows as parquet (``.parquet``) or JSON lines (``.jsonl``)."""
-    import pyarrow as pa
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
         pq.write_table(pa.Table.from_pylist(rows), path)
     else:
         path.write_text("".join(json.dumps(row) + "\n" for row in rows))

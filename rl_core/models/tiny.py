@@ -42,15 +42,19 @@ def build_tokenizer(texts: Iterable[str], vocab_size: int = 320) -> PreTrainedTo
     return wrapped
 
 
-def make_tiny_model(out_dir: str | Path, seed: int = 0, hidden_size: int = 64, num_layers: int = 2, max_operand: int = 20) -> Path:
-    """Write a randomly initialised tiny Qwen2 causal LM + tokenizer to ``out_dir``; returns the folder."""
+def make_tiny_model(out_dir: str | Path, seed: int = 0, hidden_size: int = 64, num_layers: int = 2, max_operand: int = 20,
+                    **shape: int) -> Path:
+    """Write a randomly initialised Qwen2 causal LM + tokenizer to ``out_dir``; returns the folder. Tiny by default;
+    ``shape`` overrides other Qwen2Config sizes (``num_attention_heads``, ``intermediate_size``, ``vocab_size``: a
+    vocabulary larger than the tokenizer's gives a real model's output-layer cost; ids past the tokenizer decode to "")."""
     out = Path(out_dir)
     texts = [f"{IM_START}user\n{problem.split('=')[0]}={IM_END}\n{IM_START}assistant\n{problem.split('=')[1]}{IM_END}" for problem in corpus(max_operand)]
     tokenizer = build_tokenizer(texts + [ENGLISH])
+    sizes = {"vocab_size": len(tokenizer), "intermediate_size": 4 * hidden_size, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "max_position_embeddings": 256, **shape}
     config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=4 * hidden_size, num_hidden_layers=num_layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
-        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        hidden_size=hidden_size, num_hidden_layers=num_layers, tie_word_embeddings=True,
+        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **sizes,
     )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
