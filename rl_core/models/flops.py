@@ -16,7 +16,11 @@ MFU = FLOPs / (seconds * the GPU's dense peak for the compute dtype); only for h
 
 from __future__ import annotations
 
+import time
+
 import torch
+
+from rl_core.device import synchronize
 
 # dense (no sparsity) bf16/fp16 tensor-core peaks, TFLOP/s, by a substring of torch.cuda.get_device_name()
 PEAK_TFLOPS = {
@@ -64,3 +68,12 @@ def mfu(name: str, flops: float, seconds: float, device: str, dtype: torch.dtype
     if peak is None or seconds <= 0:
         return {}
     return {f"perf/mfu/{name}": flops / seconds / peak}
+
+
+def update_mfu(name: str, module: torch.nn.Module, attention_mask: torch.Tensor, epochs: int, started: float, device: str,
+               dtype: torch.dtype) -> dict[str, float]:
+    """:func:`mfu` of an update of ``module`` over the batch of ``attention_mask`` for ``epochs`` epochs, begun at
+    ``time.perf_counter()`` = ``started`` (waits for the GPU's queued work first)."""
+    synchronize(device)
+    flops = training_flops(module, attention_mask.sum(-1)) * epochs
+    return mfu(name, flops, time.perf_counter() - started, device, dtype)

@@ -31,9 +31,9 @@ from rl_core.algos.masked import masked_mean
 from rl_core.algos.policy_loss import get_policy_loss_fn
 from rl_core.batch import Batch
 from rl_core.checkpoint import rng_state, set_rng_state
-from rl_core.device import autocast, compute_dtype, cuda_memory_metrics, on_worker_device, synchronize
+from rl_core.device import autocast, compute_dtype, cuda_memory_metrics, on_worker_device
 from rl_core.models.loading import load_policy_model
-from rl_core.models.flops import mfu, training_flops
+from rl_core.models.flops import update_mfu
 from rl_core.models.logprob import response_log_probs
 from rl_core.models.lora import adapter_disabled, apply_lora, uses_lora
 from rl_core.models.optim import build_lr_scheduler, build_optimizer
@@ -190,9 +190,8 @@ class ActorRolloutRefWorker:
             metrics["actor/kl_coef"] = float(actor.kl_loss_coef)
         if reuse_log_prob:
             metrics["actor/entropy"] = float(entropy_sums[0] / entropy_sums[1].clamp(min=1))
-        synchronize(self.device)
-        flops = training_flops(self.module, batch.tensors["attention_mask"].sum(-1)) * int(actor.ppo_epochs)
-        metrics.update(mfu("actor", flops, time.perf_counter() - started, self.device, self.compute_dtype))
+        metrics.update(update_mfu("actor", self.module, batch.tensors["attention_mask"], int(actor.ppo_epochs), started, self.device,
+                                  self.compute_dtype))
         metrics.update(cuda_memory_metrics(self.device))
         self.lr_scheduler.step()
         self.steps_trained += 1

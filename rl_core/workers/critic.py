@@ -4,6 +4,7 @@ On ``device`` with ``critic.fsdp.dtype`` compute, like the actor (see :mod:`rl_c
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ from rl_core.algos.masked import masked_mean
 from rl_core.algos.value import compute_value_loss
 from rl_core.batch import Batch
 from rl_core.device import autocast, compute_dtype, on_worker_device
+from rl_core.models.flops import update_mfu
 from rl_core.models.logprob import response_values
 from rl_core.models.lora import apply_lora
 from rl_core.models.optim import build_lr_scheduler, build_optimizer
@@ -59,12 +61,14 @@ class CriticWorker:
     @dispatch(DP_COMPUTE)
     @on_worker_device
     def update_critic(self, batch: Batch) -> Batch:
-        """Value-loss updates on ``batch`` (needs values, returns, response_mask); one LR-scheduler step."""
+        """Value-loss updates on ``batch`` (needs values, returns, response_mask); one LR-scheduler step. On a GPU it also
+        reports ``perf/mfu/critic``."""
         self.updates_started += 1
         config = self.config
         n = int(config.rollout_n)
         loss_agg_mode = config.loss_agg_mode
         cliprange_value = float(config.cliprange_value)
+        started = time.perf_counter()
 
         def micro_loss(micro: Batch, info: dict[str, float]) -> tuple[torch.Tensor, dict[str, float]]:
             mask = micro.tensors["response_mask"]
@@ -82,6 +86,8 @@ class CriticWorker:
                 epochs=int(config.ppo_epochs), shuffle=bool(config.shuffle),
                 seed=self.steps_trained, grad_clip=float(config.grad_clip), micro_loss=micro_loss,
             )
+        metrics.update(update_mfu("critic", self.module, batch.tensors["attention_mask"], int(config.ppo_epochs), started, self.device,
+                                  self.compute_dtype))
         self.lr_scheduler.step()
         self.steps_trained += 1
         return Batch(meta_info={"metrics": metrics})

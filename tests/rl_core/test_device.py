@@ -12,6 +12,7 @@ from rl_core.device import DeviceError, compute_dtype, on_worker_device, resolve
 from rl_core.input_checks import device_problems
 from rl_core.models.flops import matmul_weights, mfu, peak_flops, training_flops
 from rl_core.models.loading import load_policy_model
+from rl_core.models.value_head import load_critic_model
 from rl_core.rollout import build_rollout_engine
 from rl_core.workers import ActorRolloutRefWorker
 from tests.rl_core.helpers import addition_dataset
@@ -118,6 +119,8 @@ def test_training_flops_match_a_hand_count(config):
     lengths = torch.tensor([3, 5])
     width = c.num_attention_heads * head_dim
     assert training_flops(model, lengths) == 6 * n * 8 + 12 * c.num_hidden_layers * width * (9 + 25)
+    critic, _ = load_critic_model(config.critic.model)  # no output layer; a value head of hidden_size weights instead
+    assert training_flops(critic, lengths) == 6 * (n - c.vocab_size * c.hidden_size + c.hidden_size) * 8 + 12 * c.num_hidden_layers * width * 34
 
 
 def test_mfu_only_where_a_peak_is_known(monkeypatch):
