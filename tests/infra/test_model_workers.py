@@ -69,6 +69,27 @@ def test_one_and_two_ranks_give_the_same_update(ray_address, worker_env, fixed_b
         assert torch.allclose(w1[name], w2[name], atol=1e-5), name
 
 
+def test_two_ranks_compute_in_bf16_and_keep_fp32_master_weights(ray_address, worker_env, fixed_batch, config, tmp_path):
+    """FSDP2's mixed-precision policy (parameters gathered in bf16, gradients reduced in float32): the GPU's multi-rank
+    path, run here over gloo."""
+    config.actor_rollout_ref.actor.fsdp_config.dtype = "bfloat16"
+    group = actor_group(config, 2, "bf16x2", worker_env)
+    try:
+        actor = group.role("actor_rollout_ref")
+        log_probs = actor.compute_log_prob(fixed_batch).tensors["old_log_probs"]
+        actor.update_actor(fixed_batch)
+        actor.save_checkpoint(str(tmp_path / "bf16"))
+    finally:
+        group.kill()
+    mask = fixed_batch.tensors["response_mask"].bool()
+    error = (log_probs - fixed_batch.tensors["old_log_probs"])[mask].abs().max()
+    assert log_probs.dtype == torch.float32 and 0 < float(error) < 0.2  # bf16 compute, close to the float32 log-probs
+    saved = load_file(str(tmp_path / "bf16" / "model.safetensors"))
+    start = load_file(f"{config.actor_rollout_ref.model.path}/model.safetensors")
+    assert all(t.dtype == torch.float32 for t in saved.values())
+    assert any(not torch.equal(saved[k], start[k]) for k in saved)
+
+
 def test_actor_critic_and_ref_fused_in_one_process(ray_address, worker_env, fixed_batch, config):
     config.algorithm.adv_estimator = "gae"
     specs = {"actor_rollout_ref": (ActorRolloutRefWorker, (config.actor_rollout_ref, "actor_rollout_ref"), {}),
