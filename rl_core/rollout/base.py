@@ -43,6 +43,18 @@ def build_rollout_engine(name: str, **kwargs: Any) -> RolloutEngine:
     return ROLLOUT_ENGINES[name](**kwargs)
 
 
+def stop_token_ids(tokenizer: Any, rollout_config: Any) -> list[int]:
+    """The tokenizer's EOS id(s) and ``rollout.stop_token_ids``: generation stops at (and keeps) any of them."""
+    eos = tokenizer.eos_token_id
+    return sorted({*(eos if isinstance(eos, list) else [eos]), *rollout_config.stop_token_ids})
+
+
+def sampling_seed(rollout_config: Any, meta_info: dict[str, Any], part: int) -> int:
+    """The seed of ``part`` (a chunk, a prompt) of a rollout: from ``rollout.seed`` and the global step, so that runs
+    repeat and a re-run (resumed) step draws the same samples."""
+    return (int(rollout_config.seed) * 1_000_003 + int(meta_info.get("global_step") or 0)) * 7919 + part
+
+
 def response_mask_until_stop(responses: torch.Tensor, stop_token_ids: list[int]) -> torch.Tensor:
     """1 for each response token up to and including the first stop token, 0 after it."""
     is_stop = torch.isin(responses, torch.tensor(stop_token_ids, device=responses.device))

@@ -20,7 +20,7 @@ import torch
 
 from rl_core.batch import Batch
 from rl_core.models.logprob import token_log_probs
-from rl_core.rollout.base import assemble_sequences, register_rollout_engine, response_mask_until_stop
+from rl_core.rollout.base import assemble_sequences, register_rollout_engine, response_mask_until_stop, sampling_seed, stop_token_ids
 
 
 def sampling_settings(rollout_config: Any, meta_info: dict[str, Any]) -> dict[str, Any]:
@@ -53,19 +53,18 @@ class HFRolloutEngine:
         self.config = rollout_config
         self.response_length = int(rollout_config.response_length)
         self.chunk_size = int(rollout_config.generation_batch_size)
-        eos = tokenizer.eos_token_id
-        self.stop_token_ids = sorted({*(eos if isinstance(eos, list) else [eos]), *rollout_config.stop_token_ids})
+        self.stop_token_ids = stop_token_ids(tokenizer, rollout_config)
         self.pad_token_id = tokenizer.pad_token_id
 
     @torch.no_grad()
     def generate_sequences(self, prompts: Batch) -> Batch:
         settings = sampling_settings(self.config, prompts.meta_info)
         repeated = prompts.repeat_interleave(settings["n"]) if settings["n"] > 1 else prompts
-        seed = int(self.config.seed) * 1_000_003 + int(prompts.meta_info.get("global_step", 0))
         was_training = self.model.training
         self.model.eval()
         try:
-            pieces = [self._generate_chunk(chunk, settings, seed * 7919 + i) for i, chunk in enumerate(repeated.split(self.chunk_size))]
+            pieces = [self._generate_chunk(chunk, settings, sampling_seed(self.config, prompts.meta_info, i))
+                      for i, chunk in enumerate(repeated.split(self.chunk_size))]
         finally:
             self.model.train(was_training)
             if self.config.free_cache_engine and torch.cuda.is_available():

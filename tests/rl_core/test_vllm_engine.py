@@ -76,7 +76,7 @@ def test_outputs_take_verls_layout():
     """vLLM's RequestOutput objects are stood in for by namespaces with the same fields (vLLM is not installed)."""
     engine = object.__new__(VLLMRolloutEngine)
     engine.response_length, engine.pad_token_id, engine.stop_token_ids = 4, 0, [9]
-    engine.config = OmegaConf.create({"calculate_log_probs": True, "n": 2, "temperature": 1.0, "do_sample": True, "top_p": 1.0, "top_k": -1})
+    engine.config = OmegaConf.create({"calculate_log_probs": True})
     prompts = Batch({"input_ids": torch.tensor([[0, 5, 6], [7, 8, 6]]), "attention_mask": torch.tensor([[0, 1, 1], [1, 1, 1]]),
                      "position_ids": torch.tensor([[0, 0, 1], [0, 1, 2]])}, {"uid": ["a", "b"]})
 
@@ -85,13 +85,13 @@ def test_outputs_take_verls_layout():
 
     outputs = [SimpleNamespace(outputs=[completion([1, 9]), completion([2, 3, 4, 5])]),
                SimpleNamespace(outputs=[completion([9]), completion([4, 9, 3])])]
-    out = engine._to_batch(prompts, outputs, n=2)
+    out = engine._to_batch(prompts, outputs, n=2, temperature=0.7)
     assert out.non_tensors["uid"].tolist() == ["a", "a", "b", "b"]
     assert out.tensors["responses"].tolist() == [[1, 9, 0, 0], [2, 3, 4, 5], [9, 0, 0, 0], [4, 9, 0, 0]]
     assert out.tensors["response_mask"].tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0]]
     assert torch.allclose(out.tensors["rollout_log_probs"][1], torch.tensor([-0.2, -0.3, -0.4, -0.5]))
     assert out.tensors["rollout_log_probs"][3].tolist()[2:] == [0.0, 0.0]  # nothing after the stop token
-    assert out.tensors["position_ids"][0].tolist() == [0, 0, 1, 2, 3, 4, 5]
+    assert out.tensors["position_ids"][0].tolist() == [0, 0, 1, 2, 3, 4, 5] and out.meta_info["temperature"] == 0.7
 
 
 def test_vllm_without_a_gpu_or_vllm_is_a_clear_error(config):

@@ -2,7 +2,7 @@
 
 Per rollout::
 
-    wake_up(weights) -> load the actor's current weights (once per global step) -> wake_up(kv_cache)
+    wake_up(weights) -> load the actor's current weights -> wake_up(kv_cache)
     -> generate n samples per prompt from the token ids -> sleep(level 2: weights and KV cache freed)
 
 so that between rollouts the whole GPU belongs to training (with ``free_cache_engine=false`` the engine stays awake
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from rl_core.batch import Batch
-from rl_core.rollout.base import assemble_sequences, response_mask_until_stop
+from rl_core.rollout.base import assemble_sequences, response_mask_until_stop, sampling_seed, stop_token_ids
 from rl_core.rollout.hf_engine import sampling_settings
 from rl_core.rollout.vllm.settings import engine_arguments, sampling_arguments, tensor_parallel_slice
 from rl_core.rollout.vllm.weights import inference_weights
@@ -61,8 +61,7 @@ class VLLMRolloutEngine:
         self.config = rollout_config
         self.compute_dtype = compute_dtype
         self.response_length = int(rollout_config.response_length)
-        eos = tokenizer.eos_token_id
-        self.stop_token_ids = sorted({*(eos if isinstance(eos, list) else [eos]), *rollout_config.stop_token_ids})
+        self.stop_token_ids = stop_token_ids(tokenizer, rollout_config)
         self.pad_token_id = tokenizer.pad_token_id
         self.tp_size = int(rollout_config.tensor_model_parallel_size)
         self.sleeps = bool(rollout_config.free_cache_engine)
@@ -99,13 +98,13 @@ class VLLMRolloutEngine:
         settings = sampling_settings(self.config, prompts.meta_info)
         step = prompts.meta_info.get("global_step")
         group, counts = self._tensor_parallel_prompts(prompts)
-        base_seed = int(self.config.seed) * 1_000_003 + int(step or 0)
         requests, params = [], []
         for i in range(len(group)):
             ids = group.tensors["input_ids"][i][group.tensors["attention_mask"][i].bool()].tolist()  # left padding dropped
             requests.append({"prompt_token_ids": ids})
             params.append(self.vllm.SamplingParams(**sampling_arguments(settings, self.response_length, self.stop_token_ids,
-                                                                        bool(self.config.calculate_log_probs), base_seed * 7919 + i)))
+                                                                        bool(self.config.calculate_log_probs),
+                                                                        sampling_seed(self.config, prompts.meta_info, i))))
         self._wake_with_weights_of(step)
         try:
             outputs = self.llm.generate(requests, params, use_tqdm=False)
@@ -114,9 +113,9 @@ class VLLMRolloutEngine:
         if counts is not None:  # keep this TP rank's own prompts' samples
             rows = tensor_parallel_slice(counts, torch.distributed.get_rank() % self.tp_size)
             outputs, group = outputs[rows], prompts
-        return self._to_batch(group, outputs, settings["n"])
+        return self._to_batch(group, outputs, settings["n"], settings["temperature"])
 
-    def _to_batch(self, prompts: Batch, outputs: list[Any], n: int) -> Batch:
+    def _to_batch(self, prompts: Batch, outputs: list[Any], n: int, temperature: float) -> Batch:
         """verl's layout from vLLM's outputs (each prompt's n completions adjacent, as ``repeat_interleave`` orders)."""
         device = prompts.tensors["input_ids"].device
         repeated = prompts.repeat_interleave(n) if n > 1 else prompts
@@ -132,7 +131,7 @@ class VLLMRolloutEngine:
         out = assemble_sequences(repeated, responses, response_mask_until_stop(responses, self.stop_token_ids), self.pad_token_id)
         if self.config.calculate_log_probs:
             out.tensors["rollout_log_probs"] = log_probs * out.tensors["response_mask"]
-        out.meta_info["temperature"] = sampling_settings(self.config, prompts.meta_info)["temperature"]
+        out.meta_info["temperature"] = temperature
         return out
 
     def _tensor_parallel_prompts(self, prompts: Batch) -> tuple[Batch, list[int] | None]:
