@@ -55,7 +55,7 @@ def autocast(device: str, dtype: torch.dtype) -> contextlib.AbstractContextManag
     """Mixed-precision compute in ``dtype`` (a no-op for float32)."""
     if dtype == torch.float32:
         return contextlib.nullcontext()
-    return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
+    return torch.autocast(device_type=device, dtype=dtype)
 
 
 def on_worker_device(method: Callable) -> Callable:

@@ -54,8 +54,8 @@ class VLLMRolloutEngine:
         if not torch.cuda.is_available() or next(model.parameters()).device.type != "cuda":
             raise VLLMNotAvailableError("actor_rollout_ref.rollout.name=vllm runs on CUDA GPUs only (the actor is on the CPU); "
                                         "use actor_rollout_ref.rollout.name=hf, or trainer.device=cuda on a GPU cluster")
-        vllm = import_vllm()
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process: weights by reference
+        vllm = import_vllm()
         self.vllm = vllm
         self.model = model
         self.config = rollout_config
@@ -70,7 +70,6 @@ class VLLMRolloutEngine:
         self._load_weights()
         if self.sleeps:
             self.llm.sleep(level=2)
-        self.awake = not self.sleeps
 
     # ------------------------------------------------------------------ weights and memory
     def _load_weights(self) -> None:
@@ -85,12 +84,6 @@ class VLLMRolloutEngine:
             self.loaded_step = step
         if self.sleeps:
             self.llm.wake_up(tags=["kv_cache"])
-        self.awake = True
-
-    def _sleep(self) -> None:
-        if self.sleeps and self.awake:
-            self.llm.sleep(level=2)
-            self.awake = False
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
@@ -109,7 +102,8 @@ class VLLMRolloutEngine:
         try:
             outputs = self.llm.generate(requests, params, use_tqdm=False)
         finally:
-            self._sleep()
+            if self.sleeps:
+                self.llm.sleep(level=2)
         if counts is not None:  # keep this TP rank's own prompts' samples
             rows = tensor_parallel_slice(counts, torch.distributed.get_rank() % self.tp_size)
             outputs, group = outputs[rows], prompts
