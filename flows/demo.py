@@ -8,12 +8,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from rl_core.config import ModelConfig
 from rl_core.data.dataset import write_rows
 from rl_core.data.synthetic import addition_rows
-from rl_core.models.loading import load_policy_model
-from rl_core.models.tiny import make_tiny_model
-from rl_core.sft import SFTExample, run_sft
 
 DEMO_VERSION = "v2"  # v2: the SFT warm start no longer depends on data.synthetic.train_size
 SFT_STEPS, SFT_BATCH, SFT_LR = 60, 64, 3e-3
@@ -42,6 +38,11 @@ def ensure_demo_model(config: DictConfig, log=print) -> str:
     target = demo_dir(config) / "tiny-sft"
     if (target / "config.json").exists():
         return str(target)
+    from rl_core.config import ModelConfig  # the model code only when the model is built (the controller never loads one)
+    from rl_core.models.loading import load_policy_model
+    from rl_core.models.tiny import make_tiny_model
+    from rl_core.sft import SFTExample, run_sft
+
     staging = target.with_name("tiny-sft.tmp")
     shutil.rmtree(staging, ignore_errors=True)
     make_tiny_model(staging, seed=0, max_operand=config.data.synthetic.max_operand)

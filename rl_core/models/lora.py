@@ -1,21 +1,21 @@
 """LoRA adapters with peft: a new adapter (``lora_rank`` > 0) or an existing one (``lora_adapter_path``).
 
 With LoRA the reference policy needs no second copy of the weights: it is the same module with the adapter
-disabled (:func:`adapter_disabled`).
+disabled (:func:`adapter_disabled`). peft is imported where it is used: the controller imports the workers'
+modules without loading models.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
 
 from rl_core.models.loading import ModelLoadError
-
 
 
 def uses_lora(model_config: Any) -> bool:
@@ -24,6 +24,8 @@ def uses_lora(model_config: Any) -> bool:
 
 def apply_lora(model: torch.nn.Module, model_config: Any, task_type: str = "CAUSAL_LM") -> torch.nn.Module:
     """Wrap ``model`` with a trainable LoRA adapter as ``model_config`` asks; unchanged when LoRA is off."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
     adapter_path = model_config.lora_adapter_path
     if adapter_path:
         if not (Path(adapter_path).expanduser() / "adapter_config.json").is_file():
@@ -44,7 +46,8 @@ def apply_lora(model: torch.nn.Module, model_config: Any, task_type: str = "CAUS
 @contextlib.contextmanager
 def adapter_disabled(model: torch.nn.Module) -> Iterator[None]:
     """Inside the block the model computes with its base weights (LoRA off); a no-op for a model without LoRA."""
-    if isinstance(model, PeftModel):
+    peft = sys.modules.get("peft")  # not imported: the model cannot be a PeftModel
+    if peft is not None and isinstance(model, peft.PeftModel):
         with model.disable_adapter():
             yield
     else:

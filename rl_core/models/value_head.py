@@ -10,13 +10,16 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModel, AutoModelForTokenClassification, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModel, AutoModelForTokenClassification, PreTrainedTokenizerBase
 
 from rl_core.models.loading import attention_implementation, import_external_lib, load_hf_config, load_tokenizer, local_model_path, torch_dtype
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 
