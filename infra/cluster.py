@@ -26,6 +26,10 @@ LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "toke
 # clusters this module starts run workers at normal priority: Ray's default niceness (15) lets the controller's
 # own threads preempt the training threads, which stalls every multi-threaded torch op (measured: step 1.38x -> 1.22x)
 LOCAL_CLUSTER_ENV = {"RAY_worker_niceness": "0"}
+# every process of a run (the driver too, whichever cluster it joins) passes objects up to 4 MiB inside the call
+# instead of through the shared-memory object store (Ray's default stops at 100 KiB): a step's batch and its
+# results travel inline, measured 2.5-3 ms less per call at 150 KB and a batch-16 demo step 1.2-1.3x faster on Ray
+INLINE_OBJECTS_ENV = {"RAY_max_direct_call_object_size": str(4 * 1024 * 1024)}
 
 
 def _stay_on_loopback() -> None:
@@ -70,6 +74,8 @@ def connect(address: str | None = None, namespace: str | None = None, num_cpus: 
         return ray.get_runtime_context().gcs_address
     address = address or os.environ.get("RAY_ADDRESS") or None
     _embedded = not address or address == "local"
+    for key, value in INLINE_OBJECTS_ENV.items():
+        os.environ.setdefault(key, value)
     on_main_thread = threading.current_thread() is threading.main_thread()
     sigterm_handler = signal.getsignal(signal.SIGTERM) if on_main_thread else None
     if address and address != "local":
@@ -111,7 +117,7 @@ def start_local_head(port: int, num_cpus: int | None = None, resources: str | No
         command.append(f"--num-cpus={num_cpus}")
     if resources:
         command.append(f"--resources={resources}")
-    env = {**os.environ, **LOOPBACK_ENV, **LOCAL_CLUSTER_ENV}
+    env = {**os.environ, **LOOPBACK_ENV, **LOCAL_CLUSTER_ENV, **INLINE_OBJECTS_ENV}
     # token auth needs a token before the head starts; this creates ~/.ray/auth_token when there is none
     # (its output, the token, is not printed)
     subprocess.run([ray_cli, "get-auth-token", "--generate"], check=True, capture_output=True, env=env)

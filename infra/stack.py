@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from infra.cluster import LOCAL_CLUSTER_ENV, LOOPBACK_ENV, secure_auth_token
+from infra.cluster import INLINE_OBJECTS_ENV, LOCAL_CLUSTER_ENV, LOOPBACK_ENV, secure_auth_token
 
 HOST = "127.0.0.1"
 DEFAULT_PORTS = {"prefect": 4200, "mlflow": 5000, "ray": 6379}
@@ -136,7 +136,7 @@ def service_command(name: str, port: int, data: Path) -> tuple[list[str], dict[s
     if name == "ray":
         command = [_tool("ray"), "start", "--head", "--block", f"--node-ip-address={HOST}", f"--port={port}",
                    "--include-dashboard=false", "--disable-usage-stats"]
-        return command, {**LOOPBACK_ENV, **LOCAL_CLUSTER_ENV}, f"ray://{HOST}:{port}"
+        return command, {**LOOPBACK_ENV, **LOCAL_CLUSTER_ENV, **INLINE_OBJECTS_ENV}, f"ray://{HOST}:{port}"
     raise KeyError(name)
 
 

@@ -22,6 +22,8 @@ from typing import Any
 import yaml
 from omegaconf import OmegaConf
 
+from infra.cluster import INLINE_OBJECTS_ENV
+
 VALUES_FILE = Path(__file__).with_name("values.yaml")
 RAY_HEAD_SERVICE = "ppoflow-ray-head-svc"  # KubeRay names the head's service <cluster name>-head-svc
 REQUIRED = ("namespace", "image", "secret_name", "postgres.image", "postgres.storage", "s3.endpoint_url", "s3.bucket",
@@ -122,7 +124,8 @@ def ray_cluster(values: dict) -> list[dict]:
 
     def pod(name: str, resources: dict, extra: dict | None = None) -> dict:
         container = {"name": name, "image": values["image"], "resources": resources,
-                     "env": [_secret_env(values, "RAY_AUTH_TOKEN", "ray-auth-token"), {"name": "RAY_AUTH_MODE", "value": "token"}],
+                     "env": [_secret_env(values, "RAY_AUTH_TOKEN", "ray-auth-token"), {"name": "RAY_AUTH_MODE", "value": "token"},
+                             *({"name": key, "value": value} for key, value in INLINE_OBJECTS_ENV.items())],
                      "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}]}
         spec = {"containers": [container], "volumes": [{"name": "shm", "emptyDir": {"medium": "Memory", **(extra or {}).get("shm", {})}}]}
         if (extra or {}).get("node_selector"):

@@ -6,6 +6,7 @@ import sys
 import pytest
 import yaml
 
+from infra.cluster import INLINE_OBJECTS_ENV
 from infra.k8s.render import VALUES_FILE, load_values, render
 from tests.conftest import ROOT
 
@@ -39,6 +40,8 @@ def test_the_manifests_follow_the_values(tmp_path, overrides, nodes, gpus, names
     assert group["replicas"] == nodes and group["rayStartParams"]["num-gpus"] == str(gpus)
     assert worker["resources"]["limits"]["nvidia.com/gpu"] == gpus
     head = ray["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    for pod in (head, worker):  # batches travel inside the calls, as on the embedded cluster
+        assert {"name": "RAY_max_direct_call_object_size", "value": INLINE_OBJECTS_ENV["RAY_max_direct_call_object_size"]} in pod["env"]
     assert "nvidia.com/gpu" not in head["resources"]["limits"] and ray["spec"]["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0"
     # the controller registers the deployments sized to the GPU group and runs them next to the Ray head
     controller = kinds[("Deployment", "ppoflow-controller")]["spec"]["template"]["spec"]["containers"][0]
