@@ -106,10 +106,15 @@ def _train(args: argparse.Namespace) -> int:
     from rl_core.input_checks import InputError, check_run_inputs
 
     try:  # a wrong key, type or value, unusable data, model or reward: one line each, in a second, before Prefect starts
-        check_run_inputs(compose_config(args.overrides))
+        config = compose_config(args.overrides)
+        check_run_inputs(config)
     except (ConfigError, InputError) as error:
         print("\n".join(f"ppoflow train: {line}" for line in str(error).splitlines()), file=sys.stderr)
         return 2
+    # Ray's cluster and Prefect's server boot while the flow's modules import (each mostly waits on its own processes)
+    from infra.cluster import connect_in_background
+
+    connect_in_background(config.trainer.ray.address, config.trainer.ray.num_cpus)
     server_ready = start_temporary_server()
     from flows.secrets import hide_secret_overrides
     from flows.train import summary_line, train

@@ -11,6 +11,7 @@ An address that does not answer is an error within ``timeout_s`` seconds instead
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -67,9 +68,46 @@ def _check_reachable(address: str, timeout_s: float) -> None:
         ) from error
 
 
+class _BackgroundConnect:
+    """:func:`connect` running in a thread of its own, which then stays alive as long as the process: Ray ties the
+    processes of a cluster it starts to the thread that started them (they are killed when that thread ends)."""
+
+    def __init__(self, address: str | None, num_cpus: int | None):
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(address, num_cpus), name="ppoflow-ray-connect", daemon=True)
+        self.thread.start()
+
+    def _run(self, address: str | None, num_cpus: int | None) -> None:
+        try:
+            connect(address, num_cpus=num_cpus)
+        except Exception:  # the next connect() tries again in its own thread and reports the error there
+            pass
+        finally:
+            self.done.set()
+        threading.Event().wait()
+
+
+_background: _BackgroundConnect | None = None
+
+
+def connect_in_background(address: str | None = None, num_cpus: int | None = None) -> None:
+    """Begin :func:`connect` now, in a thread, so that the cluster boots while this process imports and starts its other
+    services (a local cluster takes ~5 s to start, mostly waiting); the next :func:`connect` waits for it."""
+    global _background
+    if _background is None and not ray.is_initialized():
+        _background = _BackgroundConnect(address, num_cpus)
+
+
+def _not_about_sigterm(record: logging.LogRecord) -> bool:
+    return "SIGTERM handler is not set" not in record.getMessage()
+
+
 def connect(address: str | None = None, namespace: str | None = None, num_cpus: int | None = None, timeout_s: float = 10.0) -> str:
-    """Join the cluster at ``address`` (else RAY_ADDRESS), or start a local one on 127.0.0.1; returns the GCS address."""
+    """Join the cluster at ``address`` (else RAY_ADDRESS), or start a local one on 127.0.0.1; returns the GCS address.
+    A connection begun by :func:`connect_in_background` is waited for (and made again here if it failed)."""
     global _embedded
+    if _background is not None and threading.current_thread() is not _background.thread:
+        _background.done.wait()
     if ray.is_initialized():
         return ray.get_runtime_context().gcs_address
     address = address or os.environ.get("RAY_ADDRESS") or None
@@ -78,6 +116,8 @@ def connect(address: str | None = None, namespace: str | None = None, num_cpus: 
         os.environ.setdefault(key, value)
     on_main_thread = threading.current_thread() is threading.main_thread()
     sigterm_handler = signal.getsignal(signal.SIGTERM) if on_main_thread else None
+    if not on_main_thread:  # Ray warns that it cannot install its SIGTERM handler: the command keeps its own anyway
+        logging.getLogger("ray._private.worker").addFilter(_not_about_sigterm)
     if address and address != "local":
         if address != "auto":
             _check_reachable(address, timeout_s)

@@ -34,6 +34,29 @@ def test_an_unreachable_address_fails_within_seconds():
     assert time.monotonic() - start < 30
 
 
+def test_a_connection_begun_in_the_background_is_the_one_connect_waits_for(ray_address):
+    """`ppoflow train` starts connecting at once, in a thread; the flow's connect() then waits for that connection, or
+    reports why it failed."""
+    result = run_python(f"""
+        import ray
+        from infra import cluster
+        cluster.connect_in_background("127.0.0.1:1")
+        try:
+            cluster.connect("127.0.0.1:1", timeout_s=2)
+        except cluster.ClusterUnreachableError as error:
+            print("foreground:", error)
+        cluster._background = None  # a new command
+        cluster.connect_in_background("{ray_address}")
+        address = cluster.connect("{ray_address}")
+        assert cluster._background.thread.is_alive()  # the thread that connected outlives the connection's start
+        print("connected to", address, "in", cluster._background.thread.name, ray.get(ray.put(41)) + 1)
+    """)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "foreground: ray address 127.0.0.1:1 did not answer within 2s" in result.stdout
+    assert f"connected to {ray_address} in ppoflow-ray-connect 42" in result.stdout
+    assert "SIGTERM handler is not set" not in result.stderr  # Ray's warning about connecting from a thread: not for users
+
+
 def test_pool_precheck_names_what_is_missing(ray_address):
     with pytest.raises(InsufficientResourcesError, match=r"needs 1 node\(s\) with 8 GPU; the cluster's nodes have GPU: 0"):
         ResourcePool("actor_pool", [8], accelerator="GPU").check_fits()
