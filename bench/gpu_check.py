@@ -9,7 +9,7 @@ here. It runs rl_core's own step (:func:`rl_core.ppo_step.run_ppo_step`) on in-p
 
 1. Numbers: a tiny model's response log-probs and one actor update computed on ``--device`` in bf16 against the same
    in float32 on the CPU (``parity/*``: the largest log-prob difference, the relative difference of the weight update).
-2. Speed: ``--steps`` GRPO steps of the larger model (default config: KL loss with a reference policy, one PPO epoch),
+2. Speed: ``--steps`` GRPO steps of the larger model (verl's defaults with a KL loss and a reference policy, one PPO epoch),
    the first a warm-up; per-step medians of rollout tokens/s (valid response tokens / generate time), training tokens/s
    (tokens of the batch / update_actor time), ``perf/mfu/actor`` and the peak CUDA memory (peak RSS on the CPU).
 
@@ -68,13 +68,19 @@ def resolve_interpolations(node: object, root: object) -> None:
 
 
 def run_config(model_path: Path, data_path: Path, prompts: int, n: int, response_length: int, compute_dtype: str) -> PPOTrainerConfig:
-    """The default config (GRPO) with this check's model, data and sizes."""
+    """The default config (verl's) as GRPO with a KL loss (so a reference policy too), with this check's model, data and
+    sizes (micro-batches of 16 responses per update, 32 per log-prob pass)."""
     config = PPOTrainerConfig()
+    config.algorithm.adv_estimator = "grpo"
+    config.actor_rollout_ref.actor.use_kl_loss = True
     config.actor_rollout_ref.model.path = str(model_path)
     config.data.train_files = str(data_path)
     config.data.train_batch_size = config.actor_rollout_ref.actor.ppo_mini_batch_size = prompts
+    config.data.max_prompt_length = 64
     config.data.max_response_length = response_length
     config.actor_rollout_ref.rollout.n = n
+    config.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu = 16
+    config.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu = config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu = 32
     config.actor_rollout_ref.actor.optim.lr = 1e-5
     config.actor_rollout_ref.actor.fsdp_config.dtype = compute_dtype
     resolve_interpolations(config, config)

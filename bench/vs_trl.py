@@ -56,7 +56,7 @@ def greedy_accuracy(model_dir: str, val_file: str) -> float:
     from rl_core.reward.manager import build_reward_manager
     from rl_core.workers import ActorRolloutRefWorker
 
-    config = compose_config([f"actor_rollout_ref.model.path={model_dir}", f"data.val_files={val_file}"])
+    config = compose_config(["+profile=demo", f"actor_rollout_ref.model.path={model_dir}", f"data.val_files={val_file}"])
     config.actor_rollout_ref.actor.optim.total_training_steps = 1
     worker = ActorRolloutRefWorker(config.actor_rollout_ref, "actor_rollout")
     worker.init_model()
@@ -76,7 +76,7 @@ def run_ppoflow(args: argparse.Namespace, folder: str, model: str, train: str, v
     configure_prefect()
     start_temporary_server()()  # the wait for it
     result = train_flow(overrides=[
-        f"actor_rollout_ref.model.path={model}", f"data.train_files={train}", f"data.val_files={val}",
+        "+profile=demo", f"actor_rollout_ref.model.path={model}", f"data.train_files={train}", f"data.val_files={val}",
         "actor_rollout_ref.actor.use_kl_loss=false", "actor_rollout_ref.actor.recompute_old_log_prob=false",
         f"trainer.total_training_steps={args.steps}", "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.save_freq=-1",
         "trainer.log_samples_freq=-1", f"trainer.default_local_dir={folder}/checkpoints", f"trainer.tracking_uri=sqlite:///{folder}/mlflow.db",

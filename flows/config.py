@@ -1,9 +1,11 @@
 """Composing the run's config with Hydra, and refusing wrong keys, types and values before anything starts.
 
 ``compose_config(["algorithm.adv_estimator=grpo", ...])`` composes ``configs/ppo_trainer.yaml``, whose schema is
-:class:`rl_core.config.PPOTrainerConfig` (every key, its type and its default), with the overrides (Hydra
-syntax). OmegaConf refuses unknown keys and values of the wrong type; :func:`rl_core.config.check_config` refuses
-values no run can use. Each is a :class:`ConfigError` naming the key.
+:class:`rl_core.config.PPOTrainerConfig` (every key, its type and its default: verl's), with the overrides (Hydra
+syntax). When the overrides leave ``actor_rollout_ref.model.path`` null (the embedded demo), the demo profile
+``configs/profile/demo.yaml`` comes between the defaults and the overrides. OmegaConf refuses unknown keys and
+values of the wrong type; :func:`rl_core.config.check_config` refuses values no run can use. Each is a
+:class:`ConfigError` naming the key.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from rl_core.config import ConfigValueError, PPOTrainerConfig, check_config
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 CONFIG_NAME = "ppo_trainer"
+DEMO_PROFILE = CONFIG_DIR / "profile" / "demo.yaml"
 ConfigStore.instance().store(name="ppoflow_schema", node=PPOTrainerConfig)
 
 
@@ -57,13 +60,10 @@ def compose_config(overrides: list[str] | None = None, base: str | None = None) 
     of an earlier run's composed config) replaces the defaults: an evaluation starts from its training run's config."""
     overrides = list(overrides or [])
     try:
-        with tempfile.TemporaryDirectory(prefix="ppoflow-config-") as folder:
-            config_dir, name = CONFIG_DIR, CONFIG_NAME
-            if base is not None:
-                config_dir, name = Path(folder), "base"
-                (config_dir / "base.yaml").write_text("defaults:\n  - ppoflow_schema\n  - _self_\n\n" + base)
-            with initialize_config_dir(config_dir=str(config_dir), version_base=None):
-                config = compose(config_name=name, overrides=overrides)
+        config = _compose(overrides, base)
+        chosen = any(o.lstrip("+").startswith("profile=") for o in overrides)  # `+profile=demo`: a model of one's own, the demo's values
+        if base is None and config.actor_rollout_ref.model.path is None and not chosen:  # the embedded demo: its profile under the overrides
+            config = _compose([f"+profile={DEMO_PROFILE.stem}", *overrides], base)
         OmegaConf.merge(PPOTrainerConfig, OmegaConf.to_container(config))  # `+key=value` slips past the schema: refuse it here
         OmegaConf.resolve(config)
     except OverrideParseException as error:
@@ -77,6 +77,21 @@ def compose_config(overrides: list[str] | None = None, base: str | None = None) 
     except ConfigValueError as error:
         raise ConfigError(str(error)) from None
     return config
+
+
+def _compose(overrides: list[str], base: str | None) -> DictConfig:
+    with tempfile.TemporaryDirectory(prefix="ppoflow-config-") as folder:
+        config_dir, name = CONFIG_DIR, CONFIG_NAME
+        if base is not None:
+            config_dir, name = Path(folder), "base"
+            (config_dir / "base.yaml").write_text("defaults:\n  - ppoflow_schema\n  - _self_\n\n" + base)
+        with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+            return compose(config_name=name, overrides=overrides)
+
+
+def demo_profile() -> DictConfig:
+    """The demo profile's values (what ``compose_config`` applies when no model path is given)."""
+    return OmegaConf.load(DEMO_PROFILE)
 
 
 def flatten(config: DictConfig, prefix: str = "") -> dict[str, Any]:

@@ -2,9 +2,11 @@
 choices) and that Prefect validates before a run starts.
 
 A form is only a friendlier way to write Hydra overrides: :meth:`TrainSettings.to_overrides` turns every field
-that differs from the config's default into ``key=value``, and the free list of overrides the user adds goes
-after it (so it wins on the same key). The run then composes its config exactly as ``ppoflow train`` would with
-those overrides. The defaults shown are read from :func:`rl_core.config.default_config` (their one source).
+that differs from its default into ``key=value``, and the free list of overrides the user adds goes after it (so it
+wins on the same key). The run then composes its config exactly as ``ppoflow train`` would with those overrides. The
+defaults shown are read from :func:`rl_core.config.default_config` (their one source); a field the embedded demo's
+profile sets (learning rate, batch size, ...) is empty by default: the config's value then applies, verl's for a
+model of one's own and the profile's for the embedded model.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ from typing import Any, Literal
 from omegaconf import OmegaConf
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from flows.config import demo_profile
 from rl_core.algos import ADVANTAGE_ESTIMATORS
 from rl_core.config import default_config
 
 DEFAULTS = default_config()
+DEMO_PROFILE = demo_profile()
 Algorithm = Literal[tuple(sorted(ADVANTAGE_ESTIMATORS))]  # type: ignore[valid-type]
 
 # form field -> the config key it sets
@@ -39,8 +43,21 @@ FIELD_KEYS = {
 }
 
 
+def set_by_demo_profile(field: str) -> bool:
+    return OmegaConf.select(DEMO_PROFILE, FIELD_KEYS[field]) is not None
+
+
 def default(field: str) -> Any:
-    return OmegaConf.select(DEFAULTS, FIELD_KEYS[field])
+    """The form's default: the config's, or empty (None) for a field the demo profile sets."""
+    return None if set_by_demo_profile(field) else OmegaConf.select(DEFAULTS, FIELD_KEYS[field])
+
+
+def profile_note(field: str) -> str:
+    """'empty = <the config's default> (<the demo profile's> with the embedded model)'."""
+    key = FIELD_KEYS[field]
+    config_default = OmegaConf.select(DEFAULTS, key)
+    shown = "trainer.total_epochs passes" if config_default is None else config_default
+    return f"empty = {shown} ({OmegaConf.select(DEMO_PROFILE, key)} with the embedded model)"
 
 
 def hydra_value(value: Any) -> str:
@@ -64,13 +81,13 @@ class TrainSettings(BaseModel):
     model_path: str | None = Field(default("model_path"), description="a local Hugging Face model folder; empty = the embedded tiny model (actor_rollout_ref.model.path)")
     train_files: str | None = Field(default("train_files"), description="training parquet/jsonl file(s) in verl's format; empty = the synthetic addition task (data.train_files)")
     val_files: str | None = Field(default("val_files"), description="validation file(s); empty = the synthetic task's (data.val_files)")
-    algorithm: Algorithm = Field(default("algorithm"), description="advantage estimator; gae adds a critic (algorithm.adv_estimator)")
-    batch_size: int = Field(default("batch_size"), gt=0, description="prompts per step (data.train_batch_size)")
-    rollout_n: int = Field(default("rollout_n"), gt=0, description="responses sampled per prompt (actor_rollout_ref.rollout.n)")
-    learning_rate: float = Field(default("learning_rate"), gt=0, lt=1, description="actor learning rate (actor_rollout_ref.actor.optim.lr)")
-    total_steps: int | None = Field(default("total_steps"), gt=0, description="training steps; empty = trainer.total_epochs passes (trainer.total_training_steps)")
+    algorithm: Algorithm | None = Field(default("algorithm"), description=f"advantage estimator; gae adds a critic; {profile_note('algorithm')} (algorithm.adv_estimator)")
+    batch_size: int | None = Field(default("batch_size"), gt=0, description=f"prompts per step; {profile_note('batch_size')} (data.train_batch_size)")
+    rollout_n: int | None = Field(default("rollout_n"), gt=0, description=f"responses sampled per prompt; {profile_note('rollout_n')} (actor_rollout_ref.rollout.n)")
+    learning_rate: float | None = Field(default("learning_rate"), gt=0, lt=1, description=f"actor learning rate; {profile_note('learning_rate')} (actor_rollout_ref.actor.optim.lr)")
+    total_steps: int | None = Field(default("total_steps"), gt=0, description=f"training steps; {profile_note('total_steps')} (trainer.total_training_steps)")
     lora_rank: int = Field(default("lora_rank"), ge=0, description="LoRA rank; 0 = full fine-tuning (actor_rollout_ref.model.lora_rank)")
-    save_freq: int = Field(default("save_freq"), ge=-1, description="checkpoint every N steps (and at the last); -1 = only at the end (trainer.save_freq)")
+    save_freq: int = Field(default("save_freq"), ge=-1, description="checkpoint every N steps and at the last; -1 = only at the last (trainer.save_freq)")
     test_freq: int = Field(default("test_freq"), ge=-1, description="validate every N steps (and at the last); -1 = never (trainer.test_freq)")
     reward_function_path: str | None = Field(default("reward_function_path"), description="a Python file with compute_score(...); empty = the built-in scorers (custom_reward_function.path)")
 
@@ -80,5 +97,5 @@ class TrainSettings(BaseModel):
         return None if isinstance(value, str) and not value.strip() else value
 
     def to_overrides(self) -> list[str]:
-        """``key=value`` for every field that differs from the config's default."""
+        """``key=value`` for every field that differs from its form default (an empty field leaves the config's value)."""
         return [f"{FIELD_KEYS[name]}={hydra_value(value)}" for name, value in self.model_dump().items() if value != default(name)]

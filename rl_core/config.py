@@ -3,8 +3,11 @@
 Key names follow verl 0.9 (``verl/trainer/config/ppo_trainer.yaml``) wherever verl has the concept, so a verl
 user's override strings carry over. This module is the only place a default lives: Hydra composes
 ``configs/ppo_trainer.yaml`` on top of :class:`PPOTrainerConfig`, workers and the flow read the composed values and
-never fall back to a default of their own. With no overrides it is the embedded default: the synthetic addition
-task on a tiny Qwen2 model (built and SFT-warm-started once), GRPO, all on CPU.
+never fall back to a default of their own. The defaults are verl 0.9's (a user's own model gets verl's learning
+rates, clip ratios, lengths and batch sizes); the few deliberate differences are listed in
+``tests/config/test_verl_defaults.py`` and the README. With no ``actor_rollout_ref.model.path`` the embedded demo
+runs instead (the synthetic addition task on a tiny Qwen2 model, GRPO, all on CPU), with the values of the demo
+profile ``configs/profile/demo.yaml`` applied under the user's overrides (:func:`flows.config.compose_config`).
 
 OmegaConf enforces the types (``data.train_batch_size=many`` is refused) and the key set (a misspelt key is
 refused; there is no free-form key except the ``dict`` fields). ``"${...}"`` defaults interpolate another key.
@@ -39,15 +42,15 @@ class DataConfig:
     val_files: Any = None
     prompt_key: str = "prompt"
     reward_fn_key: str = "data_source"
-    max_prompt_length: int = 32
-    max_response_length: int = 8
-    train_batch_size: int = 32        # prompts per step (each gets actor_rollout_ref.rollout.n responses)
+    max_prompt_length: int = 512
+    max_response_length: int = 512
+    train_batch_size: int = 1024      # prompts per step (each gets actor_rollout_ref.rollout.n responses)
     val_batch_size: Optional[int] = None  # null = the whole validation set at once
     train_max_samples: int = -1       # -1 = all rows
     val_max_samples: int = -1
     shuffle: bool = True
-    seed: int = 1                     # the sampler's shuffling seed
-    filter_overlong_prompts: bool = True
+    seed: int = 1                     # the sampler's shuffling seed (verl: null = unseeded; here runs repeat and resume exactly)
+    filter_overlong_prompts: bool = False
     truncation: str = "error"         # error | left | right: a prompt longer than max_prompt_length (when not filtered)
     use_chat_template: bool = True    # false (or a tokenizer without a template): prompts are tokenized as raw text
     synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
@@ -58,8 +61,8 @@ class DataConfig:
 class OptimConfig:
     """AdamW and the LR schedule (see rl_core.models.optim)."""
 
-    lr: float = 1.0e-3
-    weight_decay: float = 0.0
+    lr: float = 1.0e-6                # the actor's; the critic's default is 1e-5 (CriticConfig.optim)
+    weight_decay: float = 0.01
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     lr_warmup_steps_ratio: float = 0.0
     lr_warmup_steps: int = -1         # >= 0 wins over the ratio
@@ -78,7 +81,7 @@ class ModelConfig:
     external_lib: Optional[str] = None  # a module to import first (registers custom model classes)
     override_config: dict[str, Any] = field(default_factory=dict)
     dtype: str = "float32"            # the stored weights (verl's model_dtype; float32 = fp32 master weights): float32 | bfloat16 | float16
-    enable_gradient_checkpointing: bool = False
+    enable_gradient_checkpointing: bool = True
     # padding-free forward (packed sequences) for log-probs, values and updates; flash-attention varlen kernels when
     # flash_attn is installed and the model runs on CUDA, SDPA otherwise
     use_remove_padding: bool = True
@@ -110,8 +113,8 @@ class PolicyLossConfig:
 @dataclass
 class ActorConfig:
     strategy: str = "fsdp"            # fsdp | fsdp2: both are FSDP2 (fully_shard) here
-    ppo_mini_batch_size: int = 16     # in prompts; x rollout.n responses per optimizer step
-    ppo_micro_batch_size_per_gpu: int = 32  # responses per forward/backward (gradient accumulation)
+    ppo_mini_batch_size: int = 256    # in prompts; x rollout.n responses per optimizer step
+    ppo_micro_batch_size_per_gpu: int = 4  # responses per forward/backward (gradient accumulation; verl: no default)
     ppo_epochs: int = 1
     shuffle: bool = False
     # false: skip the old-log-prob pass and use the update's own forward pass, detached, as the old log-probs. Only
@@ -119,13 +122,13 @@ class ActorConfig:
     recompute_old_log_prob: bool = True
     clip_ratio: float = 0.2
     clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.28
+    clip_ratio_high: float = 0.2
     clip_ratio_c: float = 3.0         # dual-clip bound
     tau_pos: float = 1.0              # SAPO temperatures
     tau_neg: float = 1.05
     loss_agg_mode: str = "token-mean"
     entropy_coeff: float = 0.0
-    use_kl_loss: bool = True
+    use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     grad_clip: float = 1.0
@@ -137,7 +140,7 @@ class ActorConfig:
 
 @dataclass
 class RefConfig:
-    log_prob_micro_batch_size_per_gpu: int = 64
+    log_prob_micro_batch_size_per_gpu: int = 8  # verl: no default
 
 
 @dataclass
@@ -154,7 +157,7 @@ class ValKwargsConfig:
 @dataclass
 class RolloutConfig:
     name: str = "hf"                  # hf (CPU or GPU) | vllm (GPU, `pip install 'ppoflow[gpu]'`)
-    n: int = 8                        # responses per prompt
+    n: int = 1                        # responses per prompt (GRPO, RLOO, ... need several)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1                   # -1 = off
@@ -162,8 +165,10 @@ class RolloutConfig:
     prompt_length: int = "${data.max_prompt_length}"  # type: ignore[assignment]
     response_length: int = "${data.max_response_length}"  # type: ignore[assignment]
     generation_batch_size: int = 256  # sequences generated at once; bounds memory
-    log_prob_micro_batch_size_per_gpu: int = 64
-    calculate_log_probs: bool = False  # also return the sampler's own log-probs (rollout_log_probs)
+    log_prob_micro_batch_size_per_gpu: int = 8  # verl: no default
+    # also return the sampler's own log-probs (rollout_log_probs); the step then logs how far they are from the
+    # recomputed old log-probs (training/rollout_probs_diff_*: ~0 when the samples come from the trained policy)
+    calculate_log_probs: bool = True
     stop_token_ids: list[int] = field(default_factory=list)  # besides the tokenizer's EOS
     # false: compiled decoding — vllm captures CUDA graphs; hf uses a static KV cache, which transformers compiles
     # with torch.compile on CUDA (on CPU the static cache runs uncompiled)
@@ -173,7 +178,7 @@ class RolloutConfig:
     tensor_model_parallel_size: int = 1  # vllm: GPUs per engine (a divisor of the workers per node)
     max_num_seqs: int = 256           # vllm: sequences scheduled at once
     max_model_len: Optional[int] = None  # vllm: null = data.max_prompt_length + data.max_response_length
-    seed: int = 0                     # sampling is seeded by (seed, step): a re-run step draws the same samples
+    seed: int = 42                    # sampling is seeded by (seed, step, rank, chunk): a re-run step draws the same samples
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
 
 
@@ -196,7 +201,7 @@ class CriticModelConfig:
     external_lib: Optional[str] = "${actor_rollout_ref.model.external_lib}"
     override_config: dict[str, Any] = field(default_factory=dict)
     dtype: str = "${actor_rollout_ref.model.dtype}"
-    enable_gradient_checkpointing: bool = False
+    enable_gradient_checkpointing: bool = True
     use_remove_padding: bool = "${actor_rollout_ref.model.use_remove_padding}"  # type: ignore[assignment]
     lora_rank: int = 0
     lora_alpha: int = 16
@@ -210,16 +215,16 @@ class CriticConfig:
     strategy: str = "fsdp"
     rollout_n: int = "${actor_rollout_ref.rollout.n}"  # type: ignore[assignment]
     ppo_mini_batch_size: int = "${actor_rollout_ref.actor.ppo_mini_batch_size}"  # type: ignore[assignment]
-    ppo_micro_batch_size_per_gpu: int = 32
-    forward_micro_batch_size_per_gpu: int = 64
+    ppo_micro_batch_size_per_gpu: int = 4  # verl: no default
+    forward_micro_batch_size_per_gpu: int = "${critic.ppo_micro_batch_size_per_gpu}"  # type: ignore[assignment]
     ppo_epochs: int = "${actor_rollout_ref.actor.ppo_epochs}"  # type: ignore[assignment]
-    shuffle: bool = False
+    shuffle: bool = "${actor_rollout_ref.actor.shuffle}"  # type: ignore[assignment]
     cliprange_value: float = 0.5
     loss_agg_mode: str = "${actor_rollout_ref.actor.loss_agg_mode}"
     grad_clip: float = 1.0
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     model: CriticModelConfig = field(default_factory=CriticModelConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1.0e-5))
 
 
 # ---------------------------------------------------------------------------------------------- reward
@@ -234,7 +239,7 @@ class RewardModelModelConfig:
 @dataclass
 class RewardModelConfig:
     enable: bool = False
-    micro_batch_size_per_gpu: int = 64
+    micro_batch_size_per_gpu: int = 8
     model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
 
 
@@ -276,13 +281,13 @@ class FilterGroupsConfig:
     """DAPO dynamic sampling: keep only the prompts whose responses differ in ``metric``."""
 
     enable: bool = False
-    metric: str = "seq_final_reward"  # seq_final_reward | seq_reward | acc (or any per-sample value the scorer returns)
+    metric: str = "reward"            # reward (= seq_reward, seq_final_reward: the summed score) | acc (or any per-sample value the scorer returns)
     max_num_gen_batches: int = 0      # 0 = no limit
 
 
 @dataclass
 class AlgorithmConfig:
-    adv_estimator: str = "grpo"       # see `ppoflow algos`
+    adv_estimator: str = "gae"        # see `ppoflow algos`; gae needs a critic (added automatically)
     gamma: float = 1.0
     lam: float = 1.0
     norm_adv_by_std_in_grpo: bool = True
@@ -303,14 +308,14 @@ class RayConfig:
 class TrainerConfig:
     project_name: str = "ppoflow"     # the MLflow experiment
     experiment_name: str = "demo"     # the MLflow run name
-    total_epochs: int = 1000          # training stops at whichever of total_epochs / total_training_steps comes first
-    total_training_steps: Optional[int] = 100  # null = total_epochs passes over the data
+    total_epochs: int = 30            # training stops at whichever of total_epochs / total_training_steps comes first
+    total_training_steps: Optional[int] = None  # null = total_epochs passes over the data
     device: str = "auto"              # auto (cuda when the cluster has GPUs) | cpu | cuda
     n_gpus_per_node: int = 1          # workers per node (one per GPU; on CPU, one per process)
     nnodes: int = 1
     cpus_per_worker: Optional[int] = None  # null = a node's CPUs shared out evenly between its workers
     critic_warmup: int = 0            # steps that train only the critic
-    balance_batch: bool = False       # reorder a step's batch so that every rank gets a similar token count
+    balance_batch: bool = True        # reorder a step's batch so that every rank gets a similar token count
     val_before_train: bool = True
     test_freq: int = 25               # validate every N steps (and after the last); -1 = never
     save_freq: int = 25               # checkpoint every N steps (and after the last); -1 = never

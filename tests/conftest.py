@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+from omegaconf import OmegaConf
 
+from flows.config import demo_profile
 from infra.cluster import connect, start_local_head, stop_local_head
 from rl_core.config import default_config
 from rl_core.models.tiny import make_tiny_model
@@ -23,8 +25,9 @@ def tiny_model_path(tmp_path_factory) -> Path:
 
 @pytest.fixture()
 def config(tiny_model_path):
-    """The default config (rl_core.config) with the tiny model as the policy, small batches for fast tests."""
-    cfg = default_config()
+    """The embedded demo's config (the defaults under the demo profile) with the tiny model as the policy, small batches
+    for fast tests."""
+    cfg = OmegaConf.merge(default_config(), demo_profile())
     cfg.actor_rollout_ref.model.path = str(tiny_model_path)
     cfg.data.train_batch_size = 4
     cfg.actor_rollout_ref.rollout.n = 4

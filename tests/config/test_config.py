@@ -38,8 +38,9 @@ def test_every_key_is_read_by_the_code():
 
 
 def test_the_yaml_adds_no_default_of_its_own():
-    composed = compose_config([])
+    composed = compose_config(["actor_rollout_ref.model.path=/models/own"])
     schema = default_config()
+    schema.actor_rollout_ref.model.path = "/models/own"
     OmegaConf.resolve(schema)
     assert OmegaConf.to_container(composed) == OmegaConf.to_container(schema)
     assert set(OmegaConf.load(ROOT / "configs" / "ppo_trainer.yaml")) == {"defaults"}
@@ -49,11 +50,11 @@ def test_code_takes_its_defaults_from_the_schema():
     """The defaults that once disagreed between the YAML and the code now come from one place."""
     import torch
 
-    config = compose_config([])
+    config = compose_config(["actor_rollout_ref.model.path=/models/own"])
     optimizer = build_optimizer(torch.nn.Linear(2, 2).parameters(), config.actor_rollout_ref.actor.optim)
-    assert optimizer.param_groups[0]["lr"] == config.actor_rollout_ref.actor.optim.lr == 1e-3
-    assert optimizer.param_groups[0]["weight_decay"] == 0.0
-    assert config.data.filter_overlong_prompts is True
+    assert optimizer.param_groups[0]["lr"] == config.actor_rollout_ref.actor.optim.lr == 1e-6
+    assert optimizer.param_groups[0]["weight_decay"] == 0.01
+    assert config.data.filter_overlong_prompts is False
 
 
 @pytest.mark.parametrize("override,message", [

@@ -6,20 +6,26 @@ from omegaconf import OmegaConf
 from pydantic import ValidationError
 
 from flows.config import compose_config
-from flows.parameters import FIELD_KEYS, TrainSettings, hydra_value
+from flows.parameters import FIELD_KEYS, TrainSettings, hydra_value, set_by_demo_profile
 from flows.train import training_overrides
 from rl_core.algos import ADVANTAGE_ESTIMATORS
 
 
 def test_the_form_shows_the_configs_defaults_and_choices():
-    composed = compose_config([])
+    composed = compose_config(["actor_rollout_ref.model.path=/models/own"])  # a model of one's own: verl's defaults
     form = TrainSettings()
     for field, key in FIELD_KEYS.items():
-        assert getattr(form, field) == OmegaConf.select(composed, key), field
+        if set_by_demo_profile(field):  # empty: the config's value applies (verl's, or the demo profile's)
+            value = OmegaConf.select(composed, key)
+            shown = "trainer.total_epochs passes" if value is None else str(value)
+            assert getattr(form, field) is None and f"empty = {shown} " in TrainSettings.model_fields[field].description, field
+        elif field != "model_path":
+            assert getattr(form, field) == OmegaConf.select(composed, key), field
     schema = TrainSettings.model_json_schema()
     assert set(schema["properties"]) == set(FIELD_KEYS)
     assert all(FIELD_KEYS[name] in prop["description"] for name, prop in schema["properties"].items())
-    assert sorted(schema["properties"]["algorithm"]["enum"]) == sorted(ADVANTAGE_ESTIMATORS)
+    choices = [option["enum"] for option in schema["properties"]["algorithm"]["anyOf"] if "enum" in option]
+    assert choices and sorted(choices[0]) == sorted(ADVANTAGE_ESTIMATORS)
     assert form.to_overrides() == []  # an untouched form changes nothing
 
 
@@ -37,6 +43,13 @@ def test_a_form_run_composes_the_config_the_command_line_would(tmp_path):
     assert OmegaConf.to_container(from_form) == OmegaConf.to_container(from_cli)
     assert from_form.data.train_batch_size == 16 and from_form.custom_reward_function.path == str(reward)
     assert from_form.actor_rollout_ref.model.path is None  # an empty field is the default (the embedded model)
+
+
+def test_an_empty_form_field_leaves_the_demo_profile_or_verls_value():
+    assert compose_config(training_overrides(TrainSettings(), [])).actor_rollout_ref.actor.optim.lr == 1e-3  # the demo's
+    own = TrainSettings(model_path="/models/own")
+    assert compose_config(training_overrides(own, [])).actor_rollout_ref.actor.optim.lr == 1e-6  # verl's
+    assert compose_config(training_overrides(TrainSettings(learning_rate=1e-6), [])).actor_rollout_ref.actor.optim.lr == 1e-6
 
 
 @pytest.mark.parametrize("field, value", [("batch_size", 0), ("rollout_n", -1), ("learning_rate", 0.0), ("learning_rate", 5.0),
