@@ -16,7 +16,6 @@ experiment unless ``trainer.project_name`` is overridden.
 
 from __future__ import annotations
 
-import copy
 import json
 import tempfile
 from pathlib import Path
@@ -31,6 +30,7 @@ from prefect.states import Failed
 from flows.config import compose_config
 from flows.demo import apply_embedded_defaults
 from flows.prefect_view import PrefectRunView, mlflow_run_url, one_line
+from flows.secrets import REDACTED, redacted_keys
 from flows.tracking import RunTracker, tracking_uri
 from flows.workers import build_workers, step_workers
 from infra.cluster import connect
@@ -79,10 +79,12 @@ def source_config_yaml(client: MlflowClient, run_id: str) -> str:
                                     f"{CONFIG_ARTIFACT} ({one_line(error)}); point MLFLOW_TRACKING_URI or trainer.tracking_uri at its store") from None
 
 
-def with_val_kwargs(config: DictConfig, **values: Any) -> DictConfig:
-    changed = copy.deepcopy(config)
-    changed.actor_rollout_ref.rollout.val_kwargs.update(values)
-    return changed
+def check_no_redacted_values(config: DictConfig) -> None:
+    """The training run's stored config has its secrets replaced by ``***``: an evaluation needs them given again."""
+    hidden = redacted_keys(config)
+    if hidden:
+        raise EvaluationSourceError(f"the training run's stored config hides secret values ({', '.join(hidden)} = {REDACTED!r}): pass them "
+                                    f"again as overrides, e.g. {hidden[0]}='${{oc.env:MY_SECRET}}' (the secret read from the environment)")
 
 
 def run_evaluation(source: str, overrides: list[str] | None = None, samples: int = 8, temperature: float = 1.0) -> dict[str, Any]:
@@ -94,6 +96,7 @@ def run_evaluation(source: str, overrides: list[str] | None = None, samples: int
     try:
         actor_folder, source_run_id, step = resolve_source(source, client, Path(downloads.name))
         config = compose_config(overrides, base=source_config_yaml(client, source_run_id))
+        check_no_redacted_values(config)
         apply_embedded_defaults(config)
         tokenizer = load_policy_tokenizer(config.actor_rollout_ref.model)
         val_data = RLDataset(config.data.val_files, tokenizer, config.data, config.data.val_max_samples)
@@ -107,12 +110,14 @@ def run_evaluation(source: str, overrides: list[str] | None = None, samples: int
         workers = None
         try:
             connect(config.trainer.ray.address, num_cpus=config.trainer.ray.num_cpus)
-            workers = build_workers(config, f"ppoflow-eval-{tracker.run_id}", evaluation=True)
+            workers = build_workers(config, f"ppoflow-eval-{tracker.run_id}", evaluation=True, log=view.log)
             timeout = config.trainer.worker_timeout_s
             workers.role("actor_rollout_ref").load_checkpoint(str(actor_folder), timeout_s=timeout, stage="load_checkpoint")
             stage_workers = step_workers(workers, timeout)
-            greedy = run_validation(with_val_kwargs(config, n=1, do_sample=False), stage_workers, val_data, reward_manager)
-            sampled = run_validation(with_val_kwargs(config, n=samples, do_sample=True, temperature=temperature), stage_workers, val_data, reward_manager)
+            val_kwargs = dict(config.actor_rollout_ref.rollout.val_kwargs)
+            greedy = run_validation(config, stage_workers, val_data, reward_manager, val_kwargs={**val_kwargs, "n": 1, "do_sample": False})
+            sampled = run_validation(config, stage_workers, val_data, reward_manager,
+                                     val_kwargs={**val_kwargs, "n": samples, "do_sample": True, "temperature": temperature})
             metrics = {**greedy, **{f"sampled/{key}": value for key, value in sampled.items()}}
             tracker.log_step(step, metrics)
             view.log(f"evaluated {source} (run {source_run_id}, step {step}): " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))

@@ -14,6 +14,7 @@ import copy
 import json
 import os
 import re
+from collections.abc import Iterator
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -33,17 +34,7 @@ def redacted(config: DictConfig) -> DictConfig:
     """A copy of ``config`` with the values of secret keys, and every occurrence of them or of a token-shaped string
     in other values, replaced by ``***``."""
     plain = OmegaConf.to_container(config, resolve=True)
-    secrets: set[str] = set()
-
-    def collect(node: Any, key: str) -> None:
-        if isinstance(node, dict):
-            for name, value in node.items():
-                collect(value, f"{key}.{name}" if key else str(name))
-        elif isinstance(node, list):
-            for value in node:
-                collect(value, key)
-        elif node is not None and is_secret_key(key) and len(str(node)) >= 4:
-            secrets.add(str(node))
+    secrets = {str(value) for key, value in _leaves(plain) if value is not None and is_secret_key(key) and len(str(value)) >= 4}
 
     def scrub(node: Any, key: str) -> Any:
         if isinstance(node, dict):
@@ -56,10 +47,27 @@ def redacted(config: DictConfig) -> DictConfig:
             return redact_text(node, secrets)
         return node
 
-    collect(plain, "")
     safe = copy.deepcopy(config)  # keeps the structured config's types (flatten() relies on them)
     _assign(safe, plain, scrub(plain, ""))
     return safe
+
+
+def redacted_keys(config: DictConfig) -> list[str]:
+    """The keys of ``config`` whose value was (or holds something) redacted: ``***``."""
+    plain = OmegaConf.to_container(config, resolve=True)
+    return list(dict.fromkeys(key for key, value in _leaves(plain) if isinstance(value, str) and REDACTED in value))
+
+
+def _leaves(node: Any, key: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted key, value) of every leaf of a plain nested dict/list (a list's items under the list's key)."""
+    if isinstance(node, dict):
+        for name, value in node.items():
+            yield from _leaves(value, f"{key}.{name}" if key else str(name))
+    elif isinstance(node, list):
+        for value in node:
+            yield from _leaves(value, key)
+    else:
+        yield key, node
 
 
 def _assign(node: Any, before: Any, after: Any) -> None:

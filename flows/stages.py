@@ -21,9 +21,6 @@ from prefect.cache_policies import NO_CACHE
 from infra.worker_group import WorkerDiedError, WorkerTimeoutError
 from rl_core import ppo_step
 
-STAGE_FUNCTIONS = {name: getattr(ppo_step, name) for name in ppo_step.TIMING_NAMES}
-
-
 def retryable(error: BaseException) -> bool:
     """Transient errors are retried in place; a dead or timed-out worker needs the group rebuilt, which the flow does
     (a retry would reach a dead worker, or queue behind the stale call)."""
@@ -38,22 +35,22 @@ def _retry_condition(task: Any, task_run: Any, state: Any) -> bool:
     return False
 
 
-def stage_tasks(retries: int) -> dict[str, Task]:
-    """One Prefect task per stage; the idempotent ones retried ``retries`` times."""
-    tasks = {}
-    for name, fn in STAGE_FUNCTIONS.items():
-        options: dict[str, Any] = {"name": name, "cache_policy": NO_CACHE, "persist_result": False}
-        if name in ppo_step.IDEMPOTENT_STAGES and retries > 0:
-            options.update(retries=retries, retry_delay_seconds=1, retry_condition_fn=_retry_condition)
-        tasks[name] = task(fn, **options)
-    return tasks
+def stage_task(name: str, fn: Callable, retries: int) -> Task:
+    """The Prefect task ``name`` running ``fn``; an idempotent stage is retried ``retries`` times."""
+    options: dict[str, Any] = {"name": name, "cache_policy": NO_CACHE, "persist_result": False}
+    if name in ppo_step.IDEMPOTENT_STAGES and retries > 0:
+        options.update(retries=retries, retry_delay_seconds=1, retry_condition_fn=_retry_condition)
+    return task(fn, **options)
 
 
 def prefect_stage_runner(retries: int) -> Callable[..., Any]:
-    """``run_stage(name, fn, *args)`` that runs the stage as the Prefect task ``name``."""
-    tasks = stage_tasks(retries)
+    """``run_stage(name, fn, *args)`` that runs the stage function ``fn`` as the Prefect task ``name`` (one task object
+    per stage function, made on first use)."""
+    tasks: dict[tuple[str, Callable], Task] = {}
 
     def run_stage(name: str, fn: Callable, *args: Any) -> Any:
-        return tasks[name](*args)
+        if (name, fn) not in tasks:
+            tasks[(name, fn)] = stage_task(name, fn, retries)
+        return tasks[(name, fn)](*args)
 
     return run_stage

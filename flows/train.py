@@ -196,7 +196,7 @@ def run_training(config: DictConfig, tags: dict[str, str] | None = None) -> dict
                 view.log(f"reattached to the run's {workers.world_size} live worker(s): "
                          + ("their weights are the checkpoint's, nothing to reload" if reuse_weights else "reloading their weights from the checkpoint"))
             else:
-                workers = build_workers(config, namespace)
+                workers = build_workers(config, namespace, log=view.log)
             tracker.set_tags({"ppoflow.worker_pids": ",".join(str(r["pid"]) for r in workers.health(timeout))})
             stage_workers = step_workers(workers, timeout)
             if folder:
@@ -239,7 +239,7 @@ def run_training(config: DictConfig, tags: dict[str, str] | None = None) -> dict
                     view.log(f"{error} -> rebuilding the worker group (restart {restarts}/{config.trainer.max_worker_restarts})")
                     tracker.set_tags({"ppoflow.worker_restarts": restarts})
                     workers.kill()
-                    workers = build_workers(config, namespace)
+                    workers = build_workers(config, namespace, log=view.log)
                     tracker.set_tags({"ppoflow.worker_pids": ",".join(str(r["pid"]) for r in workers.health(timeout))})
                     stage_workers = step_workers(workers, timeout)
                     progress = fresh_progress()

@@ -8,6 +8,7 @@ actor (together, in the fused ``actor_rollout_ref`` role), then the reward model
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import ray
@@ -58,15 +59,17 @@ def resource_pool(config: DictConfig) -> ResourcePool:
                         accelerator="GPU" if worker_device(config) == "cuda" else None, cpus_per_worker=cpus)
 
 
-def build_workers(config: DictConfig, namespace: str, evaluation: bool = False) -> WorkerGroup:
-    """A fresh worker group with every model loaded (critic -> ref + actor -> reward model)."""
+def build_workers(config: DictConfig, namespace: str, evaluation: bool = False, log: Callable[[str], None] = print) -> WorkerGroup:
+    """A fresh worker group with every model loaded (critic -> ref + actor -> reward model); what loading changed or
+    could not use (dropout turned off, a generation config ignored, an attention fallback) goes to ``log``."""
     group = WorkerGroup.create(resource_pool(config), role_specs(config, evaluation), prefix=PREFIX, namespace=namespace,
                                timeout_s=config.trainer.worker_timeout_s)
     timeout = config.trainer.worker_timeout_s
     try:
         for role in ("critic", "actor_rollout_ref", "reward_model"):
             if role in group.roles:
-                group.role(role).init_model(timeout_s=timeout, stage=f"init {role}")
+                for note in group.role(role).init_model(timeout_s=timeout, stage=f"init {role}") or []:
+                    log(f"[{role}] {note}")
     except BaseException:  # a model that does not load: nothing of this group may stay alive
         group.kill()
         raise

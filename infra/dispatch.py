@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rl_core.batch import Batch
-from rl_core.workers.dispatch import DP_COMPUTE, ONE_TO_ALL, RANK_ZERO
+from rl_core.workers.dispatch import DP_COMPUTE, ONE_TO_ALL, RANK_ZERO, reduce_rank_metrics
 
 
 def split_arguments(mode: str, world_size: int, args: tuple, kwargs: dict) -> tuple[list[tuple[tuple, dict]], int]:
@@ -36,19 +36,14 @@ def split_arguments(mode: str, world_size: int, args: tuple, kwargs: dict) -> tu
 
 
 def collect_results(mode: str, results: list[Any], pad_size: int) -> Any:
-    """Rank 0's result, or (DP_COMPUTE) the ranks' Batches concatenated with the padding removed.
-
-    Metrics in ``meta_info['metrics']`` are averaged over ranks (each rank reports on its own shard).
-    """
-    if mode != DP_COMPUTE or not isinstance(results[0], Batch):
+    """Rank 0's result; with DP_COMPUTE the ranks' Batches concatenated with the padding removed, or their metric dicts
+    reduced (:func:`rl_core.workers.dispatch.reduce_rank_metrics`)."""
+    if mode != DP_COMPUTE:
+        return results[0]
+    if isinstance(results[0], dict):
+        return reduce_rank_metrics(results)
+    if not isinstance(results[0], Batch):
         return results[0]
     if len(results) == 1:  # one rank: nothing to merge, no copy on the per-step path
         return results[0].unpad(pad_size)
-    metrics = [r.meta_info.get("metrics", {}) for r in results]
-    if any(len(r) for r in results):
-        merged = Batch.concat(results).unpad(pad_size)
-    else:
-        merged = Batch(meta_info=dict(results[0].meta_info))
-    if metrics[0]:
-        merged.meta_info["metrics"] = {key: sum(m[key] for m in metrics) / len(metrics) for key in metrics[0]}
-    return merged
+    return Batch.concat(results).unpad(pad_size)

@@ -80,7 +80,7 @@ class ModelConfig:
     custom_chat_template: Optional[str] = None  # a Jinja chat template used for the prompts instead of the tokenizer's
     external_lib: Optional[str] = None  # a module to import first (registers custom model classes)
     override_config: dict[str, Any] = field(default_factory=dict)
-    dtype: str = "float32"            # the stored weights (verl's model_dtype; float32 = fp32 master weights): float32 | bfloat16 | float16
+    dtype: str = "float32"            # the stored weights (verl's model_dtype; float32 = fp32 master weights) | bfloat16 (float16: refused)
     enable_gradient_checkpointing: bool = True
     # padding-free forward (packed sequences) for log-probs, values and updates; flash-attention varlen kernels when
     # flash_attn is installed and the model runs on CUDA, SDPA otherwise
@@ -96,7 +96,7 @@ class FSDPConfig:
     param_offload: bool = False
     optimizer_offload: bool = False
     # forward/backward compute dtype (mixed precision over the model.dtype weights): auto = bfloat16 on CUDA, float32
-    # on CPU | float32 | bfloat16 | float16
+    # on CPU | float32 | bfloat16 (float16 is refused: training in it needs loss scaling, which is not built)
     dtype: str = "auto"
 
 
@@ -417,7 +417,13 @@ def check_config(config: Any) -> None:
         lr = OmegaConf.select(config, key)
         if not (math.isfinite(lr) and lr > 0):
             raise ConfigValueError(f"{key}={lr!r}: must be a finite number > 0")
+    for key in ("actor_rollout_ref.model.dtype", "actor_rollout_ref.actor.fsdp_config.dtype", "critic.model.dtype", "critic.fsdp.dtype"):
+        if OmegaConf.select(config, key) in ("float16", "fp16"):
+            raise ConfigValueError(f"{key}=float16: training in float16 needs loss scaling, which ppoflow does not do (its gradients "
+                                   f"would underflow silently); use bfloat16 (any GPU since Ampere) or float32")
     actor = config.actor_rollout_ref.actor
+    if not actor.clip_ratio_c > 1:
+        raise ConfigValueError(f"actor_rollout_ref.actor.clip_ratio_c={actor.clip_ratio_c}: the dual-clip bound must be greater than 1")
     if actor.ppo_mini_batch_size > config.data.train_batch_size:
         raise ConfigValueError(f"actor_rollout_ref.actor.ppo_mini_batch_size={actor.ppo_mini_batch_size} > data.train_batch_size="
                                f"{config.data.train_batch_size}: a mini-batch cannot be larger than the step's batch")

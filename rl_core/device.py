@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +40,18 @@ def resolve_device(requested: str, gpus: float) -> str:
         raise DeviceError("trainer.device=cuda but the cluster has no GPU (torch sees none, or the Ray nodes report GPU: 0); "
                           "run on a GPU machine, or set trainer.device=cpu (or auto)")
     return requested
+
+
+def cuda_device_index(local_rank: int, visible_devices: int) -> int:
+    """The index, among the GPUs this process sees, of the one a worker of ``local_rank`` on its node uses. Ray gives an
+    actor with ``num_gpus=1`` only its own GPU (``CUDA_VISIBLE_DEVICES``): it is device 0 whatever its local rank. A
+    process that sees every GPU of its node (torchrun) uses the one at its local rank."""
+    if visible_devices == 1:
+        return 0
+    if 0 <= local_rank < visible_devices:
+        return local_rank
+    raise DeviceError(f"local rank {local_rank}, but this process sees {visible_devices} GPU(s) (CUDA_VISIBLE_DEVICES="
+                      f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): give each worker one GPU, or all of its node's")
 
 
 def compute_dtype(name: str, device: str) -> torch.dtype:

@@ -7,6 +7,8 @@ import math
 import torch
 
 from rl_core.batch import Batch
+from rl_core.batch_fields import (ADVANTAGES, ATTENTION_MASK, RESPONSE_MASK, RETURNS, TOKEN_LEVEL_REWARDS, TOKEN_LEVEL_SCORES,
+                                  VALUES)
 
 
 def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
@@ -18,20 +20,38 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
 
 def compute_data_metrics(batch: Batch) -> dict[str, float]:
     """Scores, rewards, advantages, returns, values and lengths of a finished step's batch."""
-    mask = batch.tensors["response_mask"].bool()
+    mask = batch.tensors[RESPONSE_MASK].bool()
     metrics: dict[str, float] = {}
-    if "token_level_scores" in batch:
-        metrics |= _stats("critic/score", batch.tensors["token_level_scores"].sum(-1))
-    if "token_level_rewards" in batch:
-        metrics |= _stats("critic/rewards", batch.tensors["token_level_rewards"].sum(-1))
-    for key, name in (("advantages", "critic/advantages"), ("returns", "critic/returns"), ("values", "critic/values")):
+    if TOKEN_LEVEL_SCORES in batch:
+        metrics |= _stats("critic/score", batch.tensors[TOKEN_LEVEL_SCORES].sum(-1))
+    if TOKEN_LEVEL_REWARDS in batch:
+        metrics |= _stats("critic/rewards", batch.tensors[TOKEN_LEVEL_REWARDS].sum(-1))
+    for key, name in ((ADVANTAGES, "critic/advantages"), (RETURNS, "critic/returns"), (VALUES, "critic/values")):
         if key in batch:
             metrics |= _stats(name, batch.tensors[key][mask])
-    lengths = batch.tensors["response_mask"].sum(-1).float()
+    lengths = batch.tensors[RESPONSE_MASK].sum(-1).float()
     metrics |= _stats("response_length", lengths)
-    metrics["response_length/clip_ratio"] = (lengths >= batch.tensors["response_mask"].shape[-1]).float().mean().item()
-    metrics |= _stats("prompt_length", batch.tensors["attention_mask"].sum(-1) - lengths)
+    metrics["response_length/clip_ratio"] = (lengths >= batch.tensors[RESPONSE_MASK].shape[-1]).float().mean().item()
+    metrics |= _stats("prompt_length", batch.tensors[ATTENTION_MASK].sum(-1) - lengths)
     return metrics
+
+
+def rollout_probs_diff_metrics(rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor, response_mask: torch.Tensor) -> dict[str, float]:
+    """verl's check that the samples come from the policy that is trained: over response tokens, |p_rollout - p_old| of
+    each sampled token (probabilities, from the sampler's log-probs and the recomputed old ones) as
+    ``training/rollout_probs_diff_{max,mean,std}``, their Pearson correlation, and ``..._valid`` (0 when there is no
+    response token)."""
+    mask = response_mask.bool()
+    if not mask.any():
+        nan = float("nan")
+        return {"training/rollout_probs_diff_valid": 0.0, "training/rollout_probs_diff_max": nan, "training/rollout_probs_diff_mean": nan,
+                "training/rollout_probs_diff_std": nan, "training/rollout_actor_probs_pearson_corr": nan}
+    rollout_probs, old_probs = rollout_log_probs.float().exp()[mask], old_log_probs.float().exp()[mask]
+    diff = (rollout_probs - old_probs).abs()
+    correlation = torch.corrcoef(torch.stack([old_probs, rollout_probs]))[0, 1] if diff.numel() > 1 else torch.tensor(float("nan"))
+    return {"training/rollout_probs_diff_valid": 1.0, "training/rollout_probs_diff_max": diff.max().item(),
+            "training/rollout_probs_diff_mean": diff.mean().item(), "training/rollout_probs_diff_std": diff.std().item() if diff.numel() > 1 else 0.0,
+            "training/rollout_actor_probs_pearson_corr": correlation.item()}
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -24,14 +24,17 @@ from typing import Any
 
 from rl_core.algos.advantage import call_adv_estimator
 from rl_core.algos.kl import apply_kl_penalty
+from rl_core.algos.masked import masked_mean
 from rl_core.batch import Batch
+from rl_core.batch_fields import (ADVANTAGES, ATTENTION_MASK, ENTROPYS, GLOBAL_STEP, GREEDY, OLD_LOG_PROBS, REF_LOG_PROB, RESPONSE_MASK, RETURNS,
+                                  REWARD_BASELINES, RM_SCORES, ROLLOUT_LOG_PROBS, SEQUENCE, TOKEN_LEVEL_REWARDS, TOKEN_LEVEL_SCORES,
+                                  UID, VAL_KWARGS, VALIDATE, VALUES)
 from rl_core.data.dataset import RLDataset
 from rl_core.data.sampler import ResumableSampler
-from rl_core.metrics import compute_data_metrics, validation_metrics
+from rl_core.metrics import compute_data_metrics, rollout_probs_diff_metrics, validation_metrics
 from rl_core.reward.manager import RewardManager
 
-# the tensors every worker stage reads: only these (plus the stage's own inputs) travel to the workers
-SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+Metrics = dict[str, float]
 # stage name (the Prefect task) -> its verl timing name (``timing_s/<name>``)
 TIMING_NAMES = {"generate": "gen", "reward": "reward", "old_log_prob": "old_log_prob", "ref_log_prob": "ref", "values": "values",
                 "advantage": "adv", "update_critic": "update_critic", "update_actor": "update_actor"}
@@ -66,44 +69,48 @@ def use_reference(config: Any) -> bool:
 
 def _for_workers(batch: Batch, *inputs: Batch) -> Batch:
     """The sequence tensors of ``batch`` plus the tensors of ``inputs``, with the batch's meta info (temperature)."""
-    tensors = {key: batch.tensors[key] for key in SEQUENCE_KEYS}
+    tensors = {key: batch.tensors[key] for key in SEQUENCE}
     for extra in inputs:
         tensors.update(extra.tensors)
-    return Batch(tensors, meta_info={k: v for k, v in batch.meta_info.items() if k != "metrics"})
+    return Batch(tensors, meta_info=batch.meta_info)
 
 
 # ---------------------------------------------------------------------------------------------- the stages
-def generate(workers: StepWorkers, prompts: Batch, baseline_reward: RewardManager | None = None) -> Batch:
-    """Stage 1: ``rollout.n`` sampled responses per prompt. With ``baseline_reward`` (ReMax) also the greedy
-    response's score per prompt, repeated over its samples as ``reward_baselines``."""
-    sequences = workers.actor.generate_sequences(prompts)
+def generate(workers: StepWorkers, prompts: Batch, n: int, baseline_reward: RewardManager | None = None) -> Batch:
+    """Stage 1: ``n`` sampled responses per prompt. Each prompt is repeated ``n`` times before the rollout (as verl
+    does), so every worker gets one row per response it samples and data-parallel padding stays one row in, one row
+    out. With ``baseline_reward`` (ReMax) also the greedy response's score per prompt, repeated over its samples as
+    ``reward_baselines``."""
+    sequences = workers.actor.generate_sequences(prompts.repeat_interleave(n))
     if baseline_reward is None:
         return sequences
-    greedy_prompts = Batch(prompts.tensors, prompts.non_tensors, {**prompts.meta_info, "greedy": True})
-    greedy = workers.actor.generate_sequences(greedy_prompts)
-    baseline = reward(workers, baseline_reward, greedy).tensors["token_level_scores"].sum(-1)
-    samples_per_prompt = len(sequences) // len(prompts)
-    sequences.tensors["reward_baselines"] = baseline.repeat_interleave(samples_per_prompt)
+    greedy = workers.actor.generate_sequences(Batch(prompts.tensors, prompts.non_tensors, {**prompts.meta_info, GREEDY: True}))
+    scored, _ = reward(workers, baseline_reward, greedy)
+    sequences.tensors[REWARD_BASELINES] = scored.tensors[TOKEN_LEVEL_SCORES].sum(-1).repeat_interleave(n)
     return sequences
 
 
-def reward(workers: StepWorkers, reward_manager: RewardManager, batch: Batch) -> Batch:
+def reward(workers: StepWorkers, reward_manager: RewardManager, batch: Batch) -> tuple[Batch, Metrics]:
     """Stage 2: ``token_level_scores`` (the score on each response's last token) and the scorer's per-sample
-    extra values; the reward model's ``rm_scores`` when there is one. Metrics in ``meta_info['metrics']``."""
-    scored = batch
-    if workers.reward_model is not None:
-        rm_scores = workers.reward_model.compute_rm_score(batch)
-        scored = Batch({**batch.tensors, **rm_scores.tensors}, batch.non_tensors, batch.meta_info)
-    result = reward_manager(scored)
-    tensors = {"token_level_scores": result.token_level_scores}
-    if "rm_scores" in scored.tensors:
-        tensors["rm_scores"] = scored.tensors["rm_scores"]
-    return Batch(tensors, result.extra_info, {"metrics": result.metrics})
+    extra values; the reward model's ``rm_scores`` when there is one."""
+    rm_scores = workers.reward_model.compute_rm_score(batch).tensors[RM_SCORES] if workers.reward_model is not None else None
+    result = reward_manager(batch, rm_scores)
+    tensors = {TOKEN_LEVEL_SCORES: result.token_level_scores}
+    if rm_scores is not None:
+        tensors[RM_SCORES] = rm_scores
+    return Batch(tensors, result.extra_info), result.metrics
 
 
-def old_log_prob(workers: StepWorkers, batch: Batch) -> Batch:
-    """Stage 3: ``old_log_probs`` and ``entropys`` of the responses under the current actor."""
-    return workers.actor.compute_log_prob(_for_workers(batch))
+def old_log_prob(workers: StepWorkers, batch: Batch) -> tuple[Batch, Metrics]:
+    """Stage 3: ``old_log_probs`` and ``entropys`` of the responses under the current actor; ``actor/entropy`` (over
+    every response token of the batch), and with the sampler's own log-probs verl's ``training/rollout_probs_diff_*``
+    (how far the samples are from the policy that is trained)."""
+    old = workers.actor.compute_log_prob(_for_workers(batch))
+    mask = batch.tensors[RESPONSE_MASK]
+    metrics = {"actor/entropy": float(masked_mean(old.tensors[ENTROPYS], mask))}
+    if ROLLOUT_LOG_PROBS in batch.tensors:
+        metrics |= rollout_probs_diff_metrics(batch.tensors[ROLLOUT_LOG_PROBS], old.tensors[OLD_LOG_PROBS], mask)
+    return old, metrics
 
 
 def ref_log_prob(workers: StepWorkers, batch: Batch) -> Batch:
@@ -116,74 +123,77 @@ def values(workers: StepWorkers, batch: Batch) -> Batch:
     return workers.critic.compute_values(_for_workers(batch))
 
 
-def advantage(config: Any, kl_controller: Any, batch: Batch, old: Batch | None, ref: Batch | None, value: Batch | None) -> Batch:
+def advantage(config: Any, kl_controller: Any, batch: Batch, old: Batch | None, ref: Batch | None, value: Batch | None) -> tuple[Batch, Metrics]:
     """Stage 6 (cheap maths, in the controller): KL in the reward (optional), then the configured estimator ->
-    ``token_level_rewards``, ``advantages``, ``returns``; the KL metrics in ``meta_info['metrics']``."""
+    ``token_level_rewards``, ``advantages``, ``returns``; the KL metrics."""
     algorithm = config.algorithm
-    scores, response_mask = batch.tensors["token_level_scores"], batch.tensors["response_mask"]
-    metrics: dict[str, float] = {}
+    scores, response_mask = batch.tensors[TOKEN_LEVEL_SCORES], batch.tensors[RESPONSE_MASK]
+    metrics: Metrics = {}
     if algorithm.use_kl_in_reward:
-        rewards, metrics = apply_kl_penalty(scores, old.tensors["old_log_probs"], ref.tensors["ref_log_prob"], response_mask,
+        rewards, metrics = apply_kl_penalty(scores, old.tensors[OLD_LOG_PROBS], ref.tensors[REF_LOG_PROB], response_mask,
                                             kl_controller, algorithm.kl_penalty)
     else:
         rewards = scores
     inputs = {"token_level_rewards": rewards, "response_mask": response_mask.float(), "config": algorithm,
-              "index": batch.non_tensors["uid"], "gamma": algorithm.gamma, "lam": algorithm.lam,
+              "index": batch.non_tensors[UID], "gamma": algorithm.gamma, "lam": algorithm.lam,
               "norm_adv_by_std_in_grpo": algorithm.norm_adv_by_std_in_grpo}
     if value is not None:
-        inputs["values"] = value.tensors["values"]
-    if "reward_baselines" in batch.tensors:
-        inputs["reward_baselines"] = batch.tensors["reward_baselines"]
+        inputs["values"] = value.tensors[VALUES]
+    if REWARD_BASELINES in batch.tensors:
+        inputs["reward_baselines"] = batch.tensors[REWARD_BASELINES]
     advantages, returns = call_adv_estimator(algorithm.adv_estimator, **inputs)
-    return Batch({"token_level_rewards": rewards, "advantages": advantages, "returns": returns}, meta_info={"metrics": metrics})
+    return Batch({TOKEN_LEVEL_REWARDS: rewards, ADVANTAGES: advantages, RETURNS: returns}), metrics
 
 
-def update_critic(workers: StepWorkers, batch: Batch, value: Batch, adv: Batch) -> dict[str, float]:
+def update_critic(workers: StepWorkers, batch: Batch, value: Batch, adv: Batch) -> Metrics:
     """Stage 7: value-loss updates of the critic; its metrics."""
-    returns = Batch({"returns": adv.tensors["returns"]})
-    return workers.critic.update_critic(_for_workers(batch, value, returns)).meta_info["metrics"]
+    returns = Batch({RETURNS: adv.tensors[RETURNS]})
+    return workers.critic.update_critic(_for_workers(batch, value, returns))
 
 
-def update_actor(workers: StepWorkers, batch: Batch, old: Batch | None, ref: Batch | None, adv: Batch) -> dict[str, float]:
+def update_actor(workers: StepWorkers, batch: Batch, old: Batch | None, ref: Batch | None, adv: Batch) -> Metrics:
     """Stage 8: PPO updates of the actor (the rollout shares its weights: no sync needed); its metrics. ``old`` is
     None when the update computes the old log-probs itself (``recompute_old_log_prob=false``)."""
-    inputs = [Batch({"advantages": adv.tensors["advantages"]})]
+    inputs = [Batch({ADVANTAGES: adv.tensors[ADVANTAGES]})]
     if old is not None:
-        inputs.append(Batch({"old_log_probs": old.tensors["old_log_probs"]}))
+        inputs.append(Batch({OLD_LOG_PROBS: old.tensors[OLD_LOG_PROBS]}))
     if ref is not None:
-        inputs.append(Batch({"ref_log_prob": ref.tensors["ref_log_prob"]}))
-    return workers.actor.update_actor(_for_workers(batch, *inputs)).meta_info["metrics"]
+        inputs.append(Batch({REF_LOG_PROB: ref.tensors[REF_LOG_PROB]}))
+    return workers.actor.update_actor(_for_workers(batch, *inputs))
 
 
 # ---------------------------------------------------------------------------------------------- one step
 def run_ppo_step(config: Any, workers: StepWorkers, data: RLDataset, sampler: ResumableSampler, reward_manager: RewardManager,
-                 kl_controller: Any, step: int, run_stage: Callable = run_directly) -> tuple[Batch, dict[str, float]]:
+                 kl_controller: Any, step: int, run_stage: Callable = run_directly) -> tuple[Batch, Metrics]:
     """Step ``step``: prompts from ``sampler``, stages 1-8; returns (the finished batch, the step's metrics with
     verl's names, ``timing_s/<stage>`` included)."""
-    metrics: dict[str, float] = {}
-    timing: dict[str, float] = {}
+    metrics: Metrics = {}
+    timing: Metrics = {}
 
     def stage(name: str, fn: Callable, *args: Any) -> Any:
+        """Run stage ``name``; a (batch, metrics) result adds its metrics to the step's and gives the batch."""
         start = time.perf_counter()
         result = run_stage(name, fn, *args)
         key = f"timing_s/{TIMING_NAMES[name]}"
         timing[key] = timing.get(key, 0.0) + time.perf_counter() - start
-        if isinstance(result, Batch):
-            metrics.update(result.meta_info.get("metrics", {}))
+        if isinstance(result, tuple):
+            result, stage_metrics = result
+            metrics.update(stage_metrics)
         return result
 
     # Stages 1-2: rollout and reward, repeated (DAPO dynamic sampling) until enough groups have differing scores
     filter_groups = config.algorithm.filter_groups
-    wanted = config.data.train_batch_size * config.actor_rollout_ref.rollout.n
+    n = int(config.actor_rollout_ref.rollout.n)
+    wanted = config.data.train_batch_size * n
     baseline_reward = reward_manager if config.algorithm.adv_estimator == "remax" else None
     kept: list[Batch] = []
     generation_batches = 0
     while True:
         prompts = data.collate(sampler.next_batch(), uid_prefix=f"{step}-{generation_batches}-")
-        prompts.meta_info["global_step"] = step * 1000 + generation_batches  # seeds sampling: a re-run step draws the same
+        prompts.meta_info[GLOBAL_STEP] = step * 1000 + generation_batches  # seeds sampling: a re-run step draws the same
         generation_batches += 1
-        batch = stage("generate", generate, workers, prompts, baseline_reward)
-        batch.union(_without_metrics(stage("reward", reward, workers, reward_manager, batch)))
+        batch = stage("generate", generate, workers, prompts, n, baseline_reward)
+        batch.union(stage("reward", reward, workers, reward_manager, batch))
         if not filter_groups.enable:
             kept = [batch]
             break
@@ -198,7 +208,7 @@ def run_ppo_step(config: Any, workers: StepWorkers, data: RLDataset, sampler: Re
         batch = Batch.concat(kept)[:wanted]
         metrics["train/num_gen_batches"] = float(generation_batches)
     if config.trainer.balance_batch and workers.world_size > 1:
-        batch = batch[balanced_order(batch.tensors["attention_mask"].sum(-1).tolist(), workers.world_size)]
+        batch = batch[balanced_order(batch.tensors[ATTENTION_MASK].sum(-1).tolist(), workers.world_size)]
 
     # Stages 3-5: log-probs of the current and the reference policy, values (the first skipped when the update's
     # own forward pass serves as the old log-probs: actor.recompute_old_log_prob=false)
@@ -217,46 +227,46 @@ def run_ppo_step(config: Any, workers: StepWorkers, data: RLDataset, sampler: Re
 
     for output in (old, ref, value, adv):
         if output is not None:
-            batch.union(_without_metrics(output))
+            batch.union(output)
     return batch, {**metrics, **compute_data_metrics(batch), **timing}
 
 
-def _without_metrics(output: Batch) -> Batch:
-    return Batch(output.tensors, output.non_tensors)
-
-
 def run_validation(config: Any, workers: StepWorkers, data: RLDataset, reward_manager: RewardManager,
-                   run_stage: Callable = run_directly) -> dict[str, float]:
-    """Rollouts with ``val_kwargs`` (greedy by default) on the validation set, scored like training (reward model
-    included): ``val-core/<data_source>/acc/mean@n`` and pass@k."""
+                   run_stage: Callable = run_directly, val_kwargs: dict[str, Any] | None = None) -> Metrics:
+    """Rollouts with ``val_kwargs`` (the config's ``rollout.val_kwargs`` unless an evaluation gives its own; greedy by
+    default) on the validation set, scored like training (reward model included): ``val-core/<data_source>/acc/mean@n``
+    and pass@k."""
+    val_kwargs = dict(val_kwargs or config.actor_rollout_ref.rollout.val_kwargs)
+    n = int(val_kwargs["n"])
     size = config.data.val_batch_size or len(data)
     scored = []
     for start in range(0, len(data), size):
         prompts = data.collate(list(range(start, min(start + size, len(data)))), uid_prefix="val-")
-        prompts.meta_info.update(validate=True, global_step=0, val_kwargs=dict(config.actor_rollout_ref.rollout.val_kwargs))
-        batch = run_stage("generate", generate, workers, prompts)
-        scored.append(batch.union(_without_metrics(run_stage("reward", reward, workers, reward_manager, batch))))
+        prompts.meta_info.update({VALIDATE: True, GLOBAL_STEP: 0, VAL_KWARGS: val_kwargs})
+        batch = run_stage("generate", generate, workers, prompts, n)
+        batch_scores, _ = run_stage("reward", reward, workers, reward_manager, batch)
+        scored.append(batch.union(batch_scores))
     batch = Batch.concat(scored)
-    scores = batch.tensors["token_level_scores"].sum(-1).tolist()
-    return validation_metrics(list(batch.non_tensors["data_source"]), list(batch.non_tensors["uid"]), scores,
-                              config.actor_rollout_ref.rollout.val_kwargs.n)
+    scores = batch.tensors[TOKEN_LEVEL_SCORES].sum(-1).tolist()
+    return validation_metrics(list(batch.non_tensors[config.data.reward_fn_key]), list(batch.non_tensors[UID]), scores, n)
 
 
 # ---------------------------------------------------------------------------------------------- batch shaping
 def informative_groups(batch: Batch, metric: str) -> list[int]:
     """Rows of the groups (same uid) whose ``metric`` is not the same for every sample: DAPO dynamic sampling keeps
-    only those, since a group with one value gives every sample a zero advantage. ``metric`` as in verl:
-    ``seq_reward`` (the summed score), ``seq_final_reward`` (the summed reward; the same here, since the KL penalty
-    is never in the reward when filtering, see check_config), or a per-sample value the scorer returned (``acc``)."""
-    if metric in ("seq_reward", "seq_final_reward"):
-        values = batch.tensors["token_level_scores"].sum(-1).tolist()
+    only those, since a group with one value gives every sample a zero advantage. ``metric`` as in verl: ``reward``
+    (verl 0.9's name for the summed score before any KL penalty; earlier verl called it ``seq_reward`` and
+    ``seq_final_reward``, also accepted: the KL penalty is never in the reward when filtering, see check_config), or a
+    per-sample value the scorer returned (``acc``)."""
+    if metric in ("reward", "seq_reward", "seq_final_reward"):
+        values = batch.tensors[TOKEN_LEVEL_SCORES].sum(-1).tolist()
     elif metric in batch.non_tensors:
         values = list(batch.non_tensors[metric])
     else:
         raise KeyError(f"algorithm.filter_groups.metric={metric!r}: the reward function reported no per-sample {metric!r}; use "
                        f"seq_reward or seq_final_reward, or return {{'score': ..., '{metric}': ...}} from compute_score")
     by_uid: dict[str, list[int]] = {}
-    for row, uid in enumerate(batch.non_tensors["uid"]):
+    for row, uid in enumerate(batch.non_tensors[UID]):
         by_uid.setdefault(uid, []).append(row)
     return [row for rows in by_uid.values() if len({values[r] for r in rows}) > 1 for row in rows]
 

@@ -114,7 +114,9 @@ def compute_policy_loss_gspo(
     """GSPO (arXiv:2507.18071): PPO clip with the sequence ratio s_i = exp(mean_t log r_{i,t}) per token.
 
     Token form: log s_{i,t} = sg(mean_t log r_{i,t}) + log_prob_t - sg(log_prob_t), clamped at 10, so the
-    value is the sequence ratio and the gradient flows per token.
+    value is the sequence ratio and the gradient flows per token. Always aggregated with seq-mean-token-mean, the
+    paper's objective, whatever ``loss_agg_mode`` says (verl 0.9.1 applies ``loss_agg_mode``, default token-mean,
+    which weighs long responses more; SAPO below forces the sequence mean in both).
     """
     clip_low, clip_high = clip_ratios(config)
     log_ratio = log_prob - old_log_prob
@@ -125,7 +127,7 @@ def compute_policy_loss_gspo(
     unclipped = -advantages * seq_ratio
     clipped = -advantages * torch.clamp(seq_ratio, 1 - clip_low, 1 + clip_high)
     pg_losses = torch.maximum(unclipped, clipped)
-    pg_loss = _aggregate(_weighted(pg_losses, rollout_is_weights), response_mask, loss_agg_mode, config)
+    pg_loss = _aggregate(_weighted(pg_losses, rollout_is_weights), response_mask, "seq-mean-token-mean", config)
     pg_clipfrac = masked_mean(torch.gt(clipped, unclipped).float(), response_mask)
     return pg_loss, _metrics(pg_clipfrac, masked_mean(-log_ratio, response_mask))
 
@@ -262,7 +264,9 @@ def compute_policy_loss_geo_mean(
     """GMPO (arXiv:2507.20673): per sequence, loss_i = -Abar_i exp(mean_t sgn(A) min(sgn(A) log r, sgn(A) clip(log r))).
 
     log r is clipped to [-eps_low, eps_high] in log space; Abar_i is the mean advantage over valid tokens; the
-    loss is the plain mean over sequences (``loss_agg_mode`` does not apply, as in verl).
+    loss is the mean over the (non-empty) sequences of the whole mini-batch, ``global_batch_size`` of them on all
+    ranks (``loss_agg_mode`` does not apply, as in verl; verl's plain mean over a micro-batch grows with the number
+    of micro-batches a mini-batch is cut into).
     """
     clip_low, clip_high = clip_ratios(config)
     log_ratio = log_prob - old_log_prob
@@ -279,7 +283,9 @@ def compute_policy_loss_geo_mean(
     clipped = torch.ne(log_ratio, log_ratio_clamped)
     pg_clipfrac = masked_mean((clipped & (advantages > 0)).float(), response_mask)
     pg_clipfrac_lower = masked_mean((clipped & (advantages < 0)).float(), response_mask)
-    return torch.mean(pg_losses), _metrics(pg_clipfrac, ppo_kl, pg_clipfrac_lower)
+    non_empty = (lengths > 0).to(pg_losses.dtype)
+    pg_loss = _aggregate(pg_losses.unsqueeze(-1), non_empty.unsqueeze(-1), "seq-mean-token-sum", config)  # one "token" per sequence
+    return pg_loss, _metrics(pg_clipfrac, ppo_kl, pg_clipfrac_lower)
 
 
 @register_policy_loss("cispo")

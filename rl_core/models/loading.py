@@ -1,25 +1,39 @@
 """Loading a Hugging Face checkpoint the way verl does, from a local folder only.
 
-    tokenizer -> AutoConfig (+ override_config) -> model class detection -> from_pretrained (dtype)
-    -> optional padding-free path -> optional gradient checkpointing -> optional LoRA (peft)
+    tokenizer -> AutoConfig (+ override_config, dropout off) -> model class detection -> attention kernels
+    -> from_pretrained (dtype) -> generation defaults reset -> optional gradient checkpointing -> optional LoRA (peft)
 
 Model class detection: a config with ``auto_map`` names remote code, used only with ``trust_remote_code``;
 otherwise the Hugging Face auto-class mappings are searched in order CausalLM, Vision2Seq, ImageTextToText.
 ``external_lib`` is imported first so that a user module can register its own classes with the auto classes.
+
+What RL needs of a model that pretraining checkpoints do not give, set here and reported as a
+:class:`ModelLoadWarning` (the workers send those to the controller's log):
+
+* dropout off (every ``*dropout*`` / ``*pdrop`` probability of the config is 0 unless ``override_config`` sets it):
+  with dropout the update's forward pass and the old log-probs' differ, and the PPO ratio is noise;
+* attention kernels the architecture has: flash-attention 2 (on CUDA, half precision, ``flash_attn`` installed), else
+  PyTorch's SDPA, else eager, or ``override_config.attn_implementation``;
+* plain generation defaults: a checkpoint's ``generation_config.json`` (Qwen2.5-Instruct's repetition penalty, its
+  temperature, top-p) would change how the rollout samples; only its token ids are kept.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import transformers
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from rl_core.models.folder import ModelLoadError, local_model_path
+from rl_core.models.logprob import padding_free_mismatch
 
 if TYPE_CHECKING:  # the modeling code imports in seconds: only the workers need it, when they load a model
     from transformers import PreTrainedModel
@@ -33,6 +47,17 @@ GENERATIVE_AUTO_CLASSES = (
     ("AutoModelForVision2Seq", "AutoModelForVision2Seq"),
     ("AutoModelForImageTextToText", "AutoModelForImageTextToText"),
 )
+# attention implementations in order of preference, with the class attribute saying that an architecture has it
+ATTENTION_SUPPORT = {"flash_attention_2": ("_supports_flash_attn", "_supports_flash_attn_2"), "sdpa": ("_supports_sdpa",), "eager": ()}
+# generation_config.json fields that are not sampling settings (kept: they say which tokens end or pad a sequence)
+GENERATION_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+# ... nor are these (what generate returns, caching, bookkeeping): dropped without a word
+GENERATION_NON_SAMPLING_PREFIXES = ("_", "transformers_version", "output_", "return_dict", "use_cache", "cache_")
+
+
+class ModelLoadWarning(UserWarning):
+    """Something a worker changed or could not use while it loaded its model (a checkpoint's dropout or generation
+    defaults, an attention fallback, a policy loss of verl's legacy form): reported once, at load."""
 
 
 def import_external_lib(module_name: str | None) -> None:
@@ -58,15 +83,35 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, custom_chat_templ
 
 
 def load_hf_config(path: str, override_config: dict | None = None, trust_remote_code: bool = False) -> PretrainedConfig:
-    """AutoConfig of the checkpoint with ``override_config`` applied (unknown keys are an error)."""
+    """AutoConfig of the checkpoint with ``override_config`` applied (unknown keys are an error;
+    ``attn_implementation`` is not a config field: :func:`attention_implementation` reads it) and dropout off."""
     folder = local_model_path(path)
     _check_remote_code(folder, trust_remote_code)
     config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    for key, value in dict(override_config or {}).items():
+    overrides = {k: v for k, v in dict(override_config or {}).items() if k != "attn_implementation"}
+    for key, value in overrides.items():
         if not hasattr(config, key):
             raise ModelLoadError(f"model.override_config.{key}: {type(config).__name__} has no attribute {key!r}")
         setattr(config, key, value)
+    disable_dropout(config, keep=set(overrides))
     return config
+
+
+def disable_dropout(config: PretrainedConfig, keep: set[str] = frozenset()) -> dict[str, float]:
+    """Set every dropout probability of ``config`` (and its sub-configs) to 0, except the keys in ``keep``; returns
+    what was changed, which is also reported as a ModelLoadWarning."""
+    changed = {}
+    for sub in [config, *(v for v in vars(config).values() if isinstance(v, PretrainedConfig))]:
+        for key, value in vars(sub).items():
+            is_dropout = "dropout" in key or key.endswith("pdrop")
+            if is_dropout and key not in keep and isinstance(value, float) and not isinstance(value, bool) and value > 0:
+                setattr(sub, key, 0.0)
+                changed[key] = value
+    if changed:
+        listed = ", ".join(f"{k}={v}" for k, v in changed.items())
+        warnings.warn(ModelLoadWarning(f"dropout turned off for RL ({listed} -> 0): with dropout the PPO ratio of the update's forward "
+                                       f"pass is noise; set it in model.override_config to keep it"), stacklevel=2)
+    return changed
 
 
 def _check_remote_code(folder: Path, trust_remote_code: bool) -> None:
@@ -111,12 +156,45 @@ def load_policy_tokenizer(model_config: Any) -> PreTrainedTokenizerBase:
                           model_config.custom_chat_template)
 
 
-def attention_implementation(device: str = "cpu", compute_dtype: torch.dtype = torch.float32) -> str:
-    """``flash_attention_2`` (variable-length kernels: the padding-free forward skips padding entirely) on CUDA with
-    half-precision compute when the ``flash_attn`` package is installed; PyTorch's SDPA otherwise."""
+def has_attention(model_class: type, implementation: str) -> bool:
+    """Whether ``model_class`` declares the attention ``implementation`` (eager attention: every model)."""
+    flags = ATTENTION_SUPPORT[implementation]
+    return not flags or any(getattr(model_class, flag, False) for flag in flags)
+
+
+def attention_implementation(model_class: type | None, device: str = "cpu", compute_dtype: torch.dtype = torch.float32,
+                             override_config: dict | None = None) -> str:
+    """``override_config.attn_implementation`` when set; else the first ``model_class`` has of ``flash_attention_2``
+    (variable-length kernels: the padding-free forward skips padding entirely; on CUDA with half-precision compute and
+    the ``flash_attn`` package installed), ``sdpa`` (PyTorch's) and ``eager``. Falling back to eager is reported. A
+    class that is not known before loading (remote code) gets ``sdpa``."""
+    requested = dict(override_config or {}).get("attn_implementation")
+    if requested:
+        return str(requested)
+    if model_class is None:
+        return "sdpa"
+    candidates = ["sdpa", "eager"]
     if device == "cuda" and compute_dtype in (torch.bfloat16, torch.float16) and importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attention_2"
-    return "sdpa"
+        candidates.insert(0, "flash_attention_2")
+    candidate = next(c for c in candidates if has_attention(model_class, c))
+    if candidate == "eager":
+        warnings.warn(ModelLoadWarning(f"{model_class.__name__} has no SDPA attention in transformers {transformers.__version__}: using eager "
+                                       f"attention (slower, more memory); model.override_config.attn_implementation chooses another"),
+                      stacklevel=2)
+    return candidate
+
+
+def reset_generation_config(model: PreTrainedModel) -> dict[str, Any]:
+    """Replace the checkpoint's generation defaults by transformers' own (keeping the token ids): ``generate`` fills every
+    setting it is not given from them. Returns the sampling settings that were dropped (also reported)."""
+    loaded = model.generation_config.to_diff_dict()
+    dropped = {k: v for k, v in loaded.items() if k not in GENERATION_TOKEN_FIELDS and not k.startswith(GENERATION_NON_SAMPLING_PREFIXES)}
+    model.generation_config = GenerationConfig(**{k: loaded[k] for k in GENERATION_TOKEN_FIELDS if k in loaded})
+    if dropped:
+        listed = ", ".join(f"{k}={v}" for k, v in sorted(dropped.items()))
+        warnings.warn(ModelLoadWarning(f"the checkpoint's generation_config.json sets {listed}: not used, the rollout samples with "
+                                       f"actor_rollout_ref.rollout.* only (the policy that is trained)"), stacklevel=2)
+    return dropped
 
 
 def load_policy_model(model_config: Any, device: str = "cpu", compute_dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -128,10 +206,56 @@ def load_policy_model(model_config: Any, device: str = "cpu", compute_dtype: tor
     tokenizer = load_policy_tokenizer(model_config)
     hf_config = load_hf_config(path, model_config.override_config, trust_remote_code)
     model_class = resolve_model_class(hf_config, trust_remote_code)
-    model = model_class.from_pretrained(
-        local_model_path(path), config=hf_config, dtype=torch_dtype(model_config.dtype),
-        trust_remote_code=trust_remote_code, attn_implementation=attention_implementation(device, compute_dtype),
-    )
+    attention = attention_implementation(model_class, device, compute_dtype, model_config.override_config)
+    try:
+        model = model_class.from_pretrained(local_model_path(path), config=hf_config, dtype=torch_dtype(model_config.dtype),
+                                            trust_remote_code=trust_remote_code, attn_implementation=attention)
+    except (ValueError, ImportError) as error:
+        if "attention" not in str(error) and "attn" not in str(error):
+            raise
+        raise ModelLoadError(f"{model_class.__name__} cannot load with attn_implementation={attention!r} ({str(error).splitlines()[0]}); "
+                             f"set actor_rollout_ref.model.override_config.attn_implementation to one it has (eager always works)") from error
+    reset_generation_config(model)
     if model_config.enable_gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_gradient_checkpointing(model)
     return model, tokenizer
+
+
+def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
+    """Recompute each block's activations in the backward pass (non-reentrant), with transformers' own switch under
+    its current name (older transformers: ``gradient_checkpointing_enable``)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+@contextlib.contextmanager
+def load_warnings() -> Iterator[list[str]]:
+    """Collect the ModelLoadWarnings raised in the block (their messages, in order, once each); other warnings pass
+    through. A worker returns them to the controller, whose log shows them (a Ray worker's own output does not
+    reach the console)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ModelLoadWarning)
+        messages: list[str] = []
+        yield messages
+    for warning in caught:
+        if issubclass(warning.category, ModelLoadWarning):
+            if str(warning.message) not in messages:
+                messages.append(str(warning.message))
+        else:
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+
+
+def padding_free_works(model: torch.nn.Module, vocab_size: int, setting: str) -> bool:
+    """Whether the padding-free forward gives ``model``'s padded results (:func:`rl_core.models.logprob.padding_free_mismatch`
+    within float32 or half-precision noise); when not, a ModelLoadWarning says that padded batches are used instead."""
+    mismatch = padding_free_mismatch(model, vocab_size)
+    tolerance = 1e-3 if next(model.parameters()).dtype == torch.float32 else 0.1
+    if mismatch <= tolerance:
+        return True
+    warnings.warn(ModelLoadWarning(f"the padding-free forward of {type(model).__name__} disagrees with the padded one (max difference "
+                                   f"{mismatch:.3g} on a dummy batch: packed rows attend to each other with this attention "
+                                   f"implementation); using padded batches, as {setting}=false does"), stacklevel=2)
+    return False

@@ -6,7 +6,11 @@ the sampling temperature (verl's convention: log-probs of the distribution that 
 
 Padding-free path (``remove_padding``): the valid tokens of all rows are packed into one sequence whose
 position ids restart at 0 for each row, with no attention mask; transformers then attends within each row only
-(packed-sequence masking), so no compute is spent on padding. Both paths give the same numbers.
+(packed-sequence masking), so no compute is spent on padding. Both paths give the same numbers where the model
+builds its mask with transformers' packed-sequence detection (or runs flash-attention's varlen kernels); remote code
+or a custom attention that ignores it would let each row attend to the rows before it.
+:func:`padding_free_mismatch` checks a model on a dummy batch: the workers run it at load and fall back to padded
+batches when the two paths disagree.
 """
 
 from __future__ import annotations
@@ -97,3 +101,27 @@ def response_values(
     else:
         values = critic(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).logits[..., 0]
     return values[:, -response_length - 1 : -1]
+
+
+def padding_free_mismatch(model: torch.nn.Module, vocab_size: int) -> float:
+    """The largest difference between the padding-free and the padded forward of ``model`` (a causal LM: log-probs; a
+    critic: values) at the valid tokens of a dummy batch of two rows with different padding: ~1e-6 in float32 where
+    packed rows are kept apart, ~0.1 or more where they are not. Runs in the weights' own dtype, without autocast."""
+    device = next(model.parameters()).device
+    ids = torch.randint(0, vocab_size, (2, 12), generator=torch.Generator().manual_seed(0)).to(device)
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, :4], attention_mask[1, -2:] = 0, 0  # row 1: left-padded prompt, right-padded response
+    position_ids = torch.clamp(torch.cumsum(attention_mask, dim=-1) - 1, min=0)
+    valid = attention_mask.bool()
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            packed = model(input_ids=ids[valid].unsqueeze(0), position_ids=position_ids[valid].unsqueeze(0), attention_mask=None,
+                           use_cache=False).logits[0].float()
+            padded = model(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).logits[valid].float()
+    finally:
+        model.train(was_training)
+    if packed.shape[-1] > 1:  # a vocabulary: compare log-probs
+        packed, padded = torch.log_softmax(packed, dim=-1), torch.log_softmax(padded, dim=-1)
+    return float((packed - padded).abs().max())

@@ -16,7 +16,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModel, AutoModelForTokenClassification, PreTrainedTokenizerBase
 
-from rl_core.models.loading import attention_implementation, import_external_lib, load_hf_config, load_tokenizer, local_model_path, torch_dtype
+from rl_core.models.loading import (attention_implementation, enable_gradient_checkpointing, import_external_lib, load_hf_config,
+                                    load_tokenizer, local_model_path, torch_dtype)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -47,8 +48,6 @@ class ValueHeadModel(torch.nn.Module):
         head = {k[len("value_head."):]: v.detach().cpu().contiguous() for k, v in state.items() if k.startswith("value_head.")}
         save_file(head, str(Path(folder) / VALUE_HEAD_FILE))
 
-    def gradient_checkpointing_enable(self, **kwargs: Any) -> None:
-        self.body.gradient_checkpointing_enable(**kwargs)
 
 
 def load_critic_model(model_config: Any, device: str = "cpu", compute_dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
@@ -60,17 +59,19 @@ def load_critic_model(model_config: Any, device: str = "cpu", compute_dtype: tor
     tokenizer = load_tokenizer((model_config.tokenizer_path or path), trust_remote_code)
     hf_config = load_hf_config(path, model_config.override_config, trust_remote_code)
     hf_config.num_labels = 1
-    if hasattr(hf_config, "classifier_dropout"):
-        hf_config.classifier_dropout = 0.0
     dtype = torch_dtype(model_config.dtype)
-    attention = attention_implementation(device, compute_dtype)
     folder = local_model_path(path, "critic.model.path")
-    if type(hf_config) in AutoModelForTokenClassification._model_mapping and not (folder / VALUE_HEAD_FILE).exists():
-        model: torch.nn.Module = AutoModelForTokenClassification.from_pretrained(folder, config=hf_config, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation=attention)
+    token_classification = type(hf_config) in AutoModelForTokenClassification._model_mapping and not (folder / VALUE_HEAD_FILE).exists()
+    auto_class = AutoModelForTokenClassification if token_classification else AutoModel
+    known_class = auto_class._model_mapping[type(hf_config)] if type(hf_config) in auto_class._model_mapping else None  # None: remote code
+    attention = attention_implementation(known_class, device, compute_dtype, model_config.override_config)
+    body = auto_class.from_pretrained(folder, config=hf_config, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation=attention)
+    if token_classification:
+        model: torch.nn.Module = body
     else:
-        model = ValueHeadModel(AutoModel.from_pretrained(folder, config=hf_config, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation=attention))
+        model = ValueHeadModel(body)
         if (folder / VALUE_HEAD_FILE).exists():
             model.value_head.load_state_dict(load_file(str(folder / VALUE_HEAD_FILE)))
     if model_config.enable_gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_gradient_checkpointing(body)
     return model, tokenizer

@@ -1,7 +1,7 @@
 """The reward manager: a batch of responses -> token-level scores (the score sits on the last response token).
 
-Scores come from, in order of precedence: a reward model (``rm_scores`` already in the batch, as verl does),
-a user function (``custom_reward_function``), or the rule scorers (:func:`default_compute_score`).
+Scores come from, in order of precedence: a reward model (its ``rm_scores``, as verl does), a user function
+(``custom_reward_function``), or the rule scorers (:func:`default_compute_score`).
 Modes: ``naive`` calls ``fn(data_source, solution_str, ground_truth, extra_info)`` once per sample; ``batch``
 calls ``fn(data_sources, solution_strs, ground_truths, extra_infos)`` once with lists. A result is a number or a
 dict with a numeric ``score`` (its other keys become per-sample extra info, e.g. ``acc``).
@@ -9,7 +9,8 @@ dict with a numeric ``score`` (its other keys become per-sample extra info, e.g.
 A scorer that raises or returns a non-number fails the step with a message naming the sample and its
 data_source (``on_error=raise``), or scores that sample 0 and counts it in ``reward/score_failures``
 (``on_error=zero``). DAPO's overlong penalty (``overlong_buffer``) subtracts up to ``penalty_factor`` linearly
-over the last ``len`` tokens before ``max_response_length``.
+over the last ``len`` tokens before ``max_response_length``, a reward model's scores included (verl's reward
+managers return a reward model's scores untouched).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from rl_core.batch import Batch
+from rl_core.batch_fields import EXTRA_INFO, RESPONSE_MASK, RESPONSES, REWARD_MODEL
 from rl_core.config import DataConfig, RewardConfig
 from rl_core.reward.scorers import default_compute_score
 
@@ -78,19 +80,21 @@ class RewardManager:
         if self.overlong_enabled and not 0 < self.overlong_len < self.max_response_length:
             raise ValueError(f"reward.overlong_buffer.len={self.overlong_len} must be in (0, data.max_response_length={self.max_response_length})")
 
-    def __call__(self, batch: Batch) -> RewardResult:
-        response_mask = batch.tensors["response_mask"]
+    def __call__(self, batch: Batch, rm_scores: torch.Tensor | None = None) -> RewardResult:
+        """Score ``batch``'s responses: the reward model's ``rm_scores`` (B, R) when given, else the scoring function;
+        then DAPO's overlong penalty (either way)."""
+        response_mask = batch.tensors[RESPONSE_MASK]
         lengths = response_mask.sum(dim=-1).long()
-        if "rm_scores" in batch.tensors:
-            return RewardResult(batch.tensors["rm_scores"].float())
-        responses = batch.tensors["responses"]
-        solutions = [self.tokenizer.decode(responses[i, : lengths[i]], skip_special_tokens=True) for i in range(len(batch))]
-        sources = [str(s) for s in batch.non_tensors[self.reward_fn_key]]
-        truths = [rm.get("ground_truth") if isinstance(rm, dict) else None for rm in batch.non_tensors["reward_model"]]
-        extras = list(batch.non_tensors["extra_info"]) if "extra_info" in batch.non_tensors else [{}] * len(batch)
-
-        scores, extra_info, failures = self._score(sources, solutions, truths, extras)
-        scores_t = torch.tensor(scores, dtype=torch.float32)
+        if rm_scores is not None:
+            scores_t, extra_info, failures = rm_scores.float().sum(-1), {}, 0
+        else:
+            responses = batch.tensors[RESPONSES]
+            solutions = [self.tokenizer.decode(responses[i, : lengths[i]], skip_special_tokens=True) for i in range(len(batch))]
+            sources = [str(s) for s in batch.non_tensors[self.reward_fn_key]]
+            truths = [rm.get("ground_truth") if isinstance(rm, dict) else None for rm in batch.non_tensors[REWARD_MODEL]]
+            extras = list(batch.non_tensors[EXTRA_INFO]) if EXTRA_INFO in batch.non_tensors else [{}] * len(batch)
+            scores, extra_info, failures = self._score(sources, solutions, truths, extras)
+            scores_t = torch.tensor(scores, dtype=torch.float32)
         metrics = {"reward/score_failures": float(failures)}
         if self.overlong_enabled:
             expected = self.max_response_length - self.overlong_len

@@ -9,30 +9,34 @@ Models live on ``device`` (``cpu`` or ``cuda``, chosen by the controller from ``
 its Batch moved there and returns its result on the CPU (:func:`rl_core.device.on_worker_device`). Forward passes
 run in ``actor.fsdp_config.dtype`` over ``model.dtype`` weights (mixed precision, :func:`rl_core.device.autocast`).
 
-Stage methods take and return :class:`rl_core.batch.Batch`:
-  generate_sequences(prompts)  -> sequences (see rl_core.rollout.base)
+Stage methods take a :class:`rl_core.batch.Batch` and return a Batch, or the update's metrics:
+  generate_sequences(prompts)  -> sequences, one per prompt row (see rl_core.rollout.base)
   compute_log_prob(batch)      -> old_log_probs, entropys          (current actor, no grad)
   compute_ref_log_prob(batch)  -> ref_log_prob
-  update_actor(batch)          -> meta_info["metrics"]              (PPO epochs x mini x micro batches)
+  update_actor(batch)          -> {"actor/pg_loss": ..., ...}      (PPO epochs x mini x micro batches)
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from rl_core.algos.aggregate import agg_loss
+from rl_core.algos.config_access import config_get
 from rl_core.algos.kl import kl_penalty
-from rl_core.algos.masked import masked_mean
 from rl_core.algos.policy_loss import get_policy_loss_fn
 from rl_core.batch import Batch
+from rl_core.batch_fields import (ADVANTAGES, ATTENTION_MASK, ENTROPYS, INPUT_IDS, OLD_LOG_PROBS, POSITION_IDS, REF_LOG_PROB,
+                                  RESPONSE_MASK, RESPONSES, TEMPERATURE)
 from rl_core.checkpoint import rng_state, set_rng_state
 from rl_core.device import autocast, compute_dtype, cuda_memory_metrics, on_worker_device
-from rl_core.models.loading import load_policy_model
+from rl_core.models.loading import ModelLoadWarning, load_policy_model, load_warnings, padding_free_works
 from rl_core.models.flops import update_mfu
 from rl_core.models.logprob import response_log_probs
 from rl_core.models.lora import adapter_disabled, apply_lora, uses_lora
@@ -41,6 +45,7 @@ from rl_core.rollout import build_rollout_engine
 from rl_core.workers.dispatch import DP_COMPUTE, ONE_TO_ALL, dispatch
 from rl_core.workers.fsdp import full_parameters, optimizer_state_on_device, shard_module
 from rl_core.workers.trainable_state import load_trainable, save_trainable
+from rl_core.workers.data_parallel import global_sum
 from rl_core.workers.train_loop import local_mini_batch_size, run_updates
 
 ROLES = ("actor", "rollout", "ref")
@@ -48,17 +53,37 @@ ROLES = ("actor", "rollout", "ref")
 
 class LossConfig:
     """The actor config as the policy loss sees it: every field of ``actor``, plus this mini-batch's
-    ``global_batch_info`` (an OmegaConf node cannot take a new key, so it is layered on top)."""
+    ``global_batch_info`` (an OmegaConf node cannot take a new key, so it is layered on top). It notes whether the loss
+    read ``global_batch_info``: one that did not (written for verl's legacy path) returns a micro-batch mean."""
 
     def __init__(self, actor_config: Any, global_batch_info: dict[str, float]):
         self._actor_config = actor_config
-        self.global_batch_info = global_batch_info
+        self._global_batch_info = global_batch_info
+        self.read_global_batch_info = False
+
+    @property
+    def global_batch_info(self) -> dict[str, float]:
+        self.read_global_batch_info = True
+        return self._global_batch_info
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._actor_config, name)
 
     def get(self, name: str, default: Any = None) -> Any:
-        return getattr(self._actor_config, name, default)
+        return getattr(self, name, default)
+
+
+def reads_global_batch_info(loss_fn: Callable, actor_config: Any) -> bool:
+    """Whether the policy loss ``loss_fn`` reads ``config.global_batch_info``, tried on a dummy batch (a loss that fails
+    there is given the benefit of the doubt)."""
+    config = LossConfig(actor_config, {"dp_size": 1, "batch_num_tokens": 6.0, "global_batch_size": 2.0})
+    zeros = torch.zeros(2, 3)
+    try:
+        loss_fn(old_log_prob=zeros, log_prob=zeros - 0.1, advantages=torch.ones(2, 3), response_mask=torch.ones(2, 3),
+                loss_agg_mode=config_get(actor_config, "loss_agg_mode", "token-mean"), config=config)
+    except Exception:
+        return True
+    return config.read_global_batch_info
 
 
 class ActorRolloutRefWorker:
@@ -73,6 +98,7 @@ class ActorRolloutRefWorker:
         self.rollout_config = config.rollout
         self.device = device
         self.compute_dtype = compute_dtype(config.actor.fsdp_config.dtype, device)
+        self.remove_padding = bool(config.model.use_remove_padding)  # off when the model fails the check at load
         self.module: torch.nn.Module | None = None
         self.ref_module: torch.nn.Module | None = None
         self.steps_trained = 0    # updates done
@@ -80,28 +106,41 @@ class ActorRolloutRefWorker:
 
     # ------------------------------------------------------------------ set-up
     @dispatch(ONE_TO_ALL)
-    def init_model(self) -> None:
-        """Load the policy (+LoRA) with its optimizer, the reference policy and the rollout engine, as the role needs.
+    def init_model(self) -> list[str]:
+        """Load the policy (+LoRA) with its optimizer, the reference policy and the rollout engine, as the role needs;
+        returns what loading changed or could not use (:class:`rl_core.models.loading.ModelLoadWarning`), for the log.
 
         With a world size > 1 the models are sharded with FSDP2 (each rank holds a slice of the weights)."""
         fsdp_config = self.actor_config.fsdp_config
-        if self.is_actor or self.is_rollout:
-            model, self.tokenizer = load_policy_model(self.model_config, self.device, self.compute_dtype)
-            self.module = shard_module(apply_lora(model, self.model_config).to(self.device), fsdp_config, self.compute_dtype)
-        if self.is_actor:
-            optim_config = self.actor_config.optim
-            self.optimizer = build_optimizer(self.module.parameters(), optim_config)
-            self.lr_scheduler = build_lr_scheduler(self.optimizer, optim_config)
-        if self.is_ref:
-            if self.module is not None and uses_lora(self.model_config):
-                self.ref_module = self.module  # the base weights, with the adapter disabled in compute_ref_log_prob
-            else:
-                self.ref_module, self.tokenizer = load_policy_model(self.model_config, self.device, self.compute_dtype)
-                self.ref_module = shard_module(self.ref_module.requires_grad_(False).eval().to(self.device), fsdp_config, self.compute_dtype)
-        if self.is_rollout:
-            self.rollout = build_rollout_engine(self.rollout_config.name, model=self.module, tokenizer=self.tokenizer,
-                                                rollout_config=self.rollout_config, model_config=self.model_config,
-                                                compute_dtype=self.compute_dtype)
+        with load_warnings() as notes:
+            if self.is_actor or self.is_rollout:
+                model, self.tokenizer = load_policy_model(self.model_config, self.device, self.compute_dtype)
+                self.remove_padding = self.remove_padding and padding_free_works(model.to(self.device), len(self.tokenizer),
+                                                                                 "actor_rollout_ref.model.use_remove_padding")
+                self.module = shard_module(apply_lora(model, self.model_config).to(self.device), fsdp_config, self.compute_dtype)
+            if self.is_actor:
+                optim_config = self.actor_config.optim
+                self.optimizer = build_optimizer(self.module.parameters(), optim_config)
+                self.lr_scheduler = build_lr_scheduler(self.optimizer, optim_config)
+                loss_mode = self.actor_config.policy_loss.loss_mode
+                self.loss_is_global = reads_global_batch_info(get_policy_loss_fn(loss_mode), self.actor_config)
+                if not self.loss_is_global:
+                    warnings.warn(ModelLoadWarning(
+                        f"policy loss {loss_mode!r} does not read config.global_batch_info: its value is taken as a micro-batch mean and "
+                        f"scaled by the micro-batch's share of the mini-batch (verl's legacy path); aggregate with agg_loss(..., "
+                        f"**config.global_batch_info) for the exact mini-batch loss whatever the micro-batch size"))
+            if self.is_ref:
+                if self.module is not None and uses_lora(self.model_config):
+                    self.ref_module = self.module  # the base weights, with the adapter disabled in compute_ref_log_prob
+                else:
+                    self.ref_module, self.tokenizer = load_policy_model(self.model_config, self.device, self.compute_dtype)
+                    self.ref_module = shard_module(self.ref_module.requires_grad_(False).eval().to(self.device), fsdp_config,
+                                                   self.compute_dtype)
+            if self.is_rollout:
+                self.rollout = build_rollout_engine(self.rollout_config.name, model=self.module, tokenizer=self.tokenizer,
+                                                    rollout_config=self.rollout_config, model_config=self.model_config,
+                                                    compute_dtype=self.compute_dtype)
+        return notes
 
     # ------------------------------------------------------------------ stages
     @dispatch(DP_COMPUTE)
@@ -120,9 +159,7 @@ class ActorRolloutRefWorker:
         self._require(self.is_actor, "compute_log_prob", "actor")
         micro = int(self.rollout_config.log_prob_micro_batch_size_per_gpu)
         log_probs, entropy = self._log_probs(self.module, batch, micro, calculate_entropy=True)
-        out = Batch({"old_log_probs": log_probs, "entropys": entropy}, meta_info={"temperature": batch.meta_info.get("temperature", 1.0)})
-        out.meta_info["metrics"] = {"actor/entropy": float(masked_mean(entropy, batch.tensors["response_mask"]))}
-        return out
+        return Batch({OLD_LOG_PROBS: log_probs, ENTROPYS: entropy}, meta_info={TEMPERATURE: batch.meta_info.get(TEMPERATURE, 1.0)})
 
     @dispatch(DP_COMPUTE)
     @on_worker_device
@@ -132,11 +169,11 @@ class ActorRolloutRefWorker:
         micro = int(self.config.ref.log_prob_micro_batch_size_per_gpu)
         with adapter_disabled(self.ref_module) if self.ref_module is self.module else contextlib.nullcontext():
             log_probs, _ = self._log_probs(self.ref_module, batch, micro, calculate_entropy=False)
-        return Batch({"ref_log_prob": log_probs})
+        return Batch({REF_LOG_PROB: log_probs})
 
     @dispatch(DP_COMPUTE)
     @on_worker_device
-    def update_actor(self, batch: Batch) -> Batch:
+    def update_actor(self, batch: Batch) -> dict[str, float]:
         """One PPO update on ``batch`` (needs responses, response_mask, old_log_probs, advantages; ref_log_prob
         with ``use_kl_loss``); then one LR-scheduler step. Without ``recompute_old_log_prob`` the old log-probs are
         this update's own log-probs, detached (one epoch, one mini-batch: the same numbers), and the entropy metric
@@ -151,20 +188,22 @@ class ActorRolloutRefWorker:
         entropy_coeff = float(actor.entropy_coeff)
         use_kl_loss = bool(actor.use_kl_loss)
         reuse_log_prob = not bool(actor.recompute_old_log_prob)
-        temperature = batch.meta_info.get("temperature", 1.0)
+        temperature = batch.meta_info.get(TEMPERATURE, 1.0)
         entropy_sums = torch.zeros(2, dtype=torch.float64)  # (sum of entropy over valid tokens, valid tokens)
         started = time.perf_counter()
 
-        def micro_loss(micro: Batch, info: dict[str, float]) -> tuple[torch.Tensor, dict[str, float]]:
-            mask = micro.tensors["response_mask"]
+        def micro_loss(micro: Batch, info: dict[str, float], share: float) -> tuple[torch.Tensor, dict[str, float]]:
+            mask = micro.tensors[RESPONSE_MASK]
             log_prob, entropy = self._micro_log_probs(self.module, micro, temperature, calculate_entropy=entropy_coeff != 0 or reuse_log_prob)
             if reuse_log_prob:
                 old_log_prob = log_prob.detach()
                 entropy_sums.add_(torch.stack([(entropy.detach() * mask).sum(), mask.sum()]).double().cpu())
             else:
-                old_log_prob = micro.tensors["old_log_probs"]
-            pg_loss, metrics = loss_fn(old_log_prob=old_log_prob, log_prob=log_prob, advantages=micro.tensors["advantages"],
+                old_log_prob = micro.tensors[OLD_LOG_PROBS]
+            pg_loss, metrics = loss_fn(old_log_prob=old_log_prob, log_prob=log_prob, advantages=micro.tensors[ADVANTAGES],
                                        response_mask=mask, loss_agg_mode=loss_agg_mode, config=LossConfig(actor, info))
+            if not self.loss_is_global:  # a micro-batch mean: weigh it by the micro-batch's share of the mini-batch
+                pg_loss = pg_loss * share
             metrics = {**metrics, "actor/pg_loss": pg_loss.item()}
             loss = pg_loss
             if entropy_coeff != 0:
@@ -172,7 +211,7 @@ class ActorRolloutRefWorker:
                 loss = loss - entropy_coeff * entropy_loss
                 metrics["actor/entropy_loss"] = entropy_loss.item()
             if use_kl_loss:
-                kld = kl_penalty(log_prob, micro.tensors["ref_log_prob"], actor.kl_loss_type)
+                kld = kl_penalty(log_prob, micro.tensors[REF_LOG_PROB], actor.kl_loss_type)
                 kl_loss = agg_loss(kld, mask, loss_agg_mode, **info)
                 loss = loss + float(actor.kl_loss_coef) * kl_loss
                 metrics["actor/kl_loss"] = kl_loss.item()
@@ -188,14 +227,15 @@ class ActorRolloutRefWorker:
             )
         if use_kl_loss:
             metrics["actor/kl_coef"] = float(actor.kl_loss_coef)
-        if reuse_log_prob:
-            metrics["actor/entropy"] = float(entropy_sums[0] / entropy_sums[1].clamp(min=1))
-        metrics.update(update_mfu("actor", self.module, batch.tensors["attention_mask"], int(actor.ppo_epochs), started, self.device,
+        if reuse_log_prob:  # over every rank's tokens
+            entropy_sum, tokens = global_sum(entropy_sums[0]), global_sum(entropy_sums[1])
+            metrics["actor/entropy"] = float(entropy_sum / tokens.clamp(min=1))
+        metrics.update(update_mfu("actor", self.module, batch.tensors[ATTENTION_MASK], int(actor.ppo_epochs), started, self.device,
                                   self.compute_dtype))
         metrics.update(cuda_memory_metrics(self.device))
         self.lr_scheduler.step()
         self.steps_trained += 1
-        return Batch(meta_info={"metrics": metrics})
+        return metrics
 
     # ------------------------------------------------------------------ checkpoints
     @dispatch(ONE_TO_ALL)
@@ -215,15 +255,15 @@ class ActorRolloutRefWorker:
     def _micro_log_probs(self, module: torch.nn.Module, micro: Batch, temperature: float, calculate_entropy: bool):
         with autocast(self.device, self.compute_dtype):
             return response_log_probs(
-                module, micro.tensors["input_ids"], micro.tensors["attention_mask"], micro.tensors["position_ids"],
-                micro.tensors["responses"].shape[-1], temperature=temperature, calculate_entropy=calculate_entropy,
-                remove_padding=bool(self.model_config.use_remove_padding),
+                module, micro.tensors[INPUT_IDS], micro.tensors[ATTENTION_MASK], micro.tensors[POSITION_IDS],
+                micro.tensors[RESPONSES].shape[-1], temperature=temperature, calculate_entropy=calculate_entropy,
+                remove_padding=self.remove_padding,
                 entropy_chunk_size=int(self.actor_config.entropy_from_logits_chunk_size),
             )
 
     def _log_probs(self, module: torch.nn.Module, batch: Batch, micro_batch_size: int, calculate_entropy: bool):
         module.eval()
-        temperature = batch.meta_info.get("temperature", 1.0)
+        temperature = batch.meta_info.get(TEMPERATURE, 1.0)
         pieces = [self._micro_log_probs(module, micro, temperature, calculate_entropy) for micro in batch.split(micro_batch_size)]
         log_probs = torch.cat([p[0] for p in pieces])
         entropy = torch.cat([p[1] for p in pieces]) if calculate_entropy else None

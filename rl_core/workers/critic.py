@@ -13,9 +13,11 @@ import torch
 from rl_core.algos.masked import masked_mean
 from rl_core.algos.value import compute_value_loss
 from rl_core.batch import Batch
+from rl_core.batch_fields import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSE_MASK, RESPONSES, RETURNS, VALUES
 from rl_core.device import autocast, compute_dtype, on_worker_device
 from rl_core.models.flops import update_mfu
 from rl_core.models.logprob import response_values
+from rl_core.models.loading import load_warnings, padding_free_works
 from rl_core.models.lora import apply_lora
 from rl_core.models.optim import build_lr_scheduler, build_optimizer
 from rl_core.models.value_head import load_critic_model
@@ -35,17 +37,22 @@ class CriticWorker:
         self.updates_started = 0  # updates begun (see ActorRolloutRefWorker)
 
     @dispatch(ONE_TO_ALL)
-    def init_model(self) -> None:
-        model, self.tokenizer = load_critic_model(self.model_config, self.device, self.compute_dtype)
+    def init_model(self) -> list[str]:
+        """Load the critic (+LoRA) and its optimizer; returns what loading changed or could not use, for the log."""
+        with load_warnings() as notes:
+            model, self.tokenizer = load_critic_model(self.model_config, self.device, self.compute_dtype)
+            self.remove_padding = bool(self.model_config.use_remove_padding) and padding_free_works(
+                model.to(self.device), len(self.tokenizer), "critic.model.use_remove_padding")
         self.module = shard_module(apply_lora(model, self.model_config, task_type="TOKEN_CLS").to(self.device), self.config.fsdp, self.compute_dtype)
         optim_config = self.config.optim
         self.optimizer = build_optimizer(self.module.parameters(), optim_config)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, optim_config)
+        return notes
 
     def _values(self, micro: Batch) -> torch.Tensor:
         with autocast(self.device, self.compute_dtype):
-            values = response_values(self.module, micro.tensors["input_ids"], micro.tensors["attention_mask"], micro.tensors["position_ids"],
-                                     micro.tensors["responses"].shape[-1], remove_padding=bool(self.model_config.use_remove_padding))
+            values = response_values(self.module, micro.tensors[INPUT_IDS], micro.tensors[ATTENTION_MASK], micro.tensors[POSITION_IDS],
+                                     micro.tensors[RESPONSES].shape[-1], remove_padding=self.remove_padding)
         return values.float()
 
     @dispatch(DP_COMPUTE)
@@ -55,12 +62,12 @@ class CriticWorker:
         """V(s_t) for every response position, zero outside the response mask."""
         self.module.eval()
         micro = int(self.config.forward_micro_batch_size_per_gpu)
-        values = torch.cat([self._values(m) for m in batch.split(micro)]) * batch.tensors["response_mask"]
-        return Batch({"values": values})
+        values = torch.cat([self._values(m) for m in batch.split(micro)]) * batch.tensors[RESPONSE_MASK]
+        return Batch({VALUES: values})
 
     @dispatch(DP_COMPUTE)
     @on_worker_device
-    def update_critic(self, batch: Batch) -> Batch:
+    def update_critic(self, batch: Batch) -> dict[str, float]:
         """Value-loss updates on ``batch`` (needs values, returns, response_mask); one LR-scheduler step. On a GPU it also
         reports ``perf/mfu/critic``."""
         self.updates_started += 1
@@ -70,10 +77,10 @@ class CriticWorker:
         cliprange_value = float(config.cliprange_value)
         started = time.perf_counter()
 
-        def micro_loss(micro: Batch, info: dict[str, float]) -> tuple[torch.Tensor, dict[str, float]]:
-            mask = micro.tensors["response_mask"]
+        def micro_loss(micro: Batch, info: dict[str, float], _share: float) -> tuple[torch.Tensor, dict[str, float]]:
+            mask = micro.tensors[RESPONSE_MASK]
             vpreds = self._values(micro)
-            vf_loss, vf_clipfrac = compute_value_loss(vpreds, micro.tensors["returns"], micro.tensors["values"], mask, cliprange_value,
+            vf_loss, vf_clipfrac = compute_value_loss(vpreds, micro.tensors[RETURNS], micro.tensors[VALUES], mask, cliprange_value,
                                                       loss_agg_mode, **info)
             return vf_loss, {"critic/vf_loss": vf_loss.item(), "critic/vf_clipfrac": vf_clipfrac.item(),
                              "critic/vpred_mean": masked_mean(vpreds, mask).item()}
@@ -86,11 +93,11 @@ class CriticWorker:
                 epochs=int(config.ppo_epochs), shuffle=bool(config.shuffle),
                 seed=self.steps_trained, grad_clip=float(config.grad_clip), micro_loss=micro_loss,
             )
-        metrics.update(update_mfu("critic", self.module, batch.tensors["attention_mask"], int(config.ppo_epochs), started, self.device,
+        metrics.update(update_mfu("critic", self.module, batch.tensors[ATTENTION_MASK], int(config.ppo_epochs), started, self.device,
                                   self.compute_dtype))
         self.lr_scheduler.step()
         self.steps_trained += 1
-        return Batch(meta_info={"metrics": metrics})
+        return metrics
 
     @dispatch(ONE_TO_ALL)
     def save_checkpoint(self, folder: str | Path) -> None:

@@ -13,12 +13,16 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def collective_device() -> str:
+    """Where the process group's collectives take their tensors: ``cuda`` for nccl, ``cpu`` for gloo (or no group)."""
+    return "cuda" if world_size() > 1 and dist.get_backend() == "nccl" else "cpu"
+
+
 def global_sum(value: torch.Tensor | float) -> torch.Tensor:
     """The sum of ``value`` over all data-parallel ranks (a float64 scalar tensor)."""
     total = torch.as_tensor(value, dtype=torch.float64).detach().clone()
     if world_size() > 1:
-        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        total = total.to(device)
+        total = total.to(collective_device())
         dist.all_reduce(total)
     return total.cpu()
 

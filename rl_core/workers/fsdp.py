@@ -8,6 +8,7 @@ moves the sharded parameters to CPU between uses, ``optimizer_offload`` keeps op
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -23,19 +24,43 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
-from rl_core.workers.data_parallel import world_size
+from rl_core.device import cuda_device_index
+from rl_core.workers.data_parallel import collective_device, world_size
 
 
 def init_distributed_from_env(backend: str = "gloo") -> None:
     """Join the process group described by RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (``gloo`` for workers on the
-    CPU, ``nccl`` for workers on GPUs)."""
+    CPU, ``nccl`` for workers on GPUs). On GPUs the process takes its own device (:func:`rl_core.device.cuda_device_index`)
+    and LOCAL_RANK becomes that device's index: vLLM's external launcher places its engine on ``cuda:<LOCAL_RANK>``."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1 or dist.is_initialized():
         return
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        index = cuda_device_index(int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count())
+        torch.cuda.set_device(index)
+        os.environ["LOCAL_RANK"] = str(index)
     dist.init_process_group(backend=backend, rank=int(os.environ["RANK"]), world_size=world)
+
+
+def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float) -> float:
+    """``torch.nn.utils.clip_grad_norm_`` that also works for FSDP2 shards offloaded to the CPU (``param_offload``) on
+    an nccl group: the sum over ranks of the local shards' norms is taken on the group's device (an nccl collective
+    cannot take a CPU tensor; verl's ``fsdp2_clip_grad_norm_`` does the same). Returns the total norm; a non-finite
+    one scales nothing."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return 0.0
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    if isinstance(total, DTensor):  # this rank's part of the norm: reduce it over the group where its collectives run
+        total = total.to(collective_device()).full_tensor()
+    total_norm = float(total)
+    scale = max_norm / (total_norm + 1e-6)
+    if math.isfinite(total_norm) and scale < 1.0:
+        for grad in grads:
+            grad.mul_(scale)
+    return total_norm
 
 
 def is_rank_zero() -> bool:

@@ -1,9 +1,13 @@
 """The update loop shared by the actor and the critic: epochs x mini-batches x micro-batches.
 
 One optimizer step per mini-batch; micro-batches accumulate gradients. Under data parallelism each rank cuts
-its own shard into mini-batches of ``global mini-batch / world size`` rows (as verl does). Each micro-batch's loss is computed
-with the *mini-batch's* global token and sequence counts (``global_batch_info``), so the accumulated gradient
+its own shard into mini-batches of ``global mini-batch / world size`` rows (as verl does). Each micro-batch's loss is
+computed with the *mini-batch's* global token and sequence counts (``global_batch_info``), so the accumulated gradient
 equals the gradient of the whole mini-batch's loss, whatever the micro-batch size or the number of ranks.
+
+A non-finite loss stops the update on every rank before any collective (the run fails and resumes from its last
+checkpoint); a non-finite gradient norm (an overflow) skips that mini-batch's optimizer step, as verl does, and is
+counted in ``<name>/skipped_steps``.
 """
 
 from __future__ import annotations
@@ -15,11 +19,13 @@ from collections.abc import Callable, Iterator
 import torch
 
 from rl_core.batch import Batch
+from rl_core.batch_fields import RESPONSE_MASK
 from rl_core.workers.data_parallel import any_rank, global_sum, world_size
+from rl_core.workers.fsdp import clip_grad_norm
 
 
 class NonFiniteError(FloatingPointError):
-    """A loss or gradient norm became NaN/Inf; the optimizer step was not taken."""
+    """A loss became NaN/Inf; the update stopped before that mini-batch's optimizer step."""
 
 
 def mini_batches(batch: Batch, mini_batch_size: int, epochs: int, shuffle: bool, seed: int) -> Iterator[tuple[int, Batch]]:
@@ -40,7 +46,7 @@ def local_mini_batch_size(global_mini_batch_size: int) -> int:
 
 def global_batch_info(mini: Batch) -> dict[str, float]:
     """dp_size and the mini-batch's valid-token and non-empty-sequence counts summed over all ranks."""
-    response_mask = mini.tensors["response_mask"]
+    response_mask = mini.tensors[RESPONSE_MASK]
     return {
         "dp_size": world_size(),
         "batch_num_tokens": float(global_sum(response_mask.sum())),
@@ -59,38 +65,45 @@ def run_updates(
     shuffle: bool,
     seed: int,
     grad_clip: float,
-    micro_loss: Callable[[Batch, dict[str, float]], tuple[torch.Tensor, dict[str, float]]],
+    micro_loss: Callable[[Batch, dict[str, float], float], tuple[torch.Tensor, dict[str, float]]],
 ) -> dict[str, float]:
-    """Run the loop; ``micro_loss(micro, batch_info)`` returns the micro-batch's share of the loss and its metrics.
+    """Run the loop; ``micro_loss(micro, batch_info, share)`` returns the micro-batch's part of the mini-batch's loss and
+    its metrics (``share``: the micro-batch's rows / the rank's mini-batch rows, for a loss that is a micro-batch mean).
 
     Returns metrics averaged over mini-batches (``<name>/grad_norm`` and per-micro metrics averaged over micros;
     the loss metrics that ``micro_loss`` reports as ``*_loss`` are summed over micros = the mini-batch loss).
     """
     module.train()
+    trainable = [p for p in module.parameters() if p.requires_grad]
     per_mini: dict[str, list[float]] = defaultdict(list)
+    steps, skipped = 0, 0
     for epoch, mini in mini_batches(batch, mini_batch_size, epochs, shuffle, seed):
         info = global_batch_info(mini)
         optimizer.zero_grad(set_to_none=True)
         micro_metrics: dict[str, list[float]] = defaultdict(list)
         for micro in mini.split(micro_batch_size):
-            loss, metrics = micro_loss(micro, info)
+            loss, metrics = micro_loss(micro, info, len(micro) / len(mini))
             if any_rank(not bool(torch.isfinite(loss))):  # all ranks stop together, before backward's collectives
                 optimizer.zero_grad(set_to_none=True)
-                raise NonFiniteError(f"{name} update: the loss is {loss.item()} on this rank (epoch {epoch}; non-finite on at least one "
-                                     f"rank); the optimizer step was not taken. Lower the learning rate or check the rewards and "
-                                     f"advantages for NaN/Inf")
+                raise NonFiniteError(f"{name} update: the loss is {loss.item()} on this rank (epoch {epoch}, after {steps} optimizer "
+                                     f"step(s) of this update; non-finite on at least one rank): the update stops here and the run "
+                                     f"fails; resuming restarts from the last checkpoint. Check the rewards and advantages for "
+                                     f"NaN/Inf, or lower the learning rate")
             loss.backward()
             for key, value in metrics.items():
                 micro_metrics[key].append(value)
-        grad_norm = torch.nn.utils.clip_grad_norm_([p for p in module.parameters() if p.requires_grad], max_norm=grad_clip)
-        if not math.isfinite(float(grad_norm)):
+        grad_norm = clip_grad_norm(trainable, grad_clip)
+        if not math.isfinite(grad_norm):  # the norm is the group's: every rank skips this step together
             optimizer.zero_grad(set_to_none=True)
-            raise NonFiniteError(f"{name} update: the gradient norm is {float(grad_norm)} (epoch {epoch}); the optimizer step was not taken "
-                                 f"and the weights are those of the previous step. Lower the learning rate or {name}.grad_clip")
+            skipped += 1
+            continue
         optimizer.step()
-        per_mini[f"{name}/grad_norm"].append(float(grad_norm))
+        steps += 1
+        per_mini[f"{name}/grad_norm"].append(grad_norm)
         for key, values in micro_metrics.items():
             per_mini[key].append(sum(values) if key.endswith("_loss") else sum(values) / len(values))
     metrics = {key: sum(values) / len(values) for key, values in per_mini.items()}
     metrics[f"{name}/lr"] = optimizer.param_groups[0]["lr"]
+    if skipped:
+        metrics[f"{name}/skipped_steps"] = float(skipped)
     return metrics

@@ -181,7 +181,7 @@ def gspo(old, new, adv, mask, mode, eps_low, eps_high):
         clipped = [-a * min(max(seq_ratio, 1 - eps_low), 1 + eps_high) for a in ra]
         losses.append([max(u, c) for u, c in zip(unclipped, clipped)])
         clipped_flags.append([float(c > u) for u, c in zip(unclipped, clipped)])
-    return agg(losses, mask, mode), masked_mean(clipped_flags, mask)
+    return agg(losses, mask, "seq-mean-token-mean"), masked_mean(clipped_flags, mask)  # the paper's objective, any mode
 
 
 def sapo(old, new, adv, mask, tau_pos, tau_neg):
@@ -212,8 +212,9 @@ def geo_mean(old, new, adv, mask, eps_low, eps_high):
             total += sign * min(sign * d, sign * clamped) * m
         ratio = math.exp(total / (n_valid + 1e-8))
         mean_adv = sum(a * m for a, m in zip(ra, rm)) / (n_valid + 1e-8)
-        losses.append(-mean_adv * ratio)
-    return sum(losses) / len(losses)
+        if n_valid:
+            losses.append(-mean_adv * ratio)
+    return sum(losses) / len(losses)  # the mean over non-empty sequences
 
 
 def cispo(old, new, adv, mask, mode, eps_low, eps_high):

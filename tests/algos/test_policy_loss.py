@@ -66,6 +66,26 @@ def test_cispo_keeps_the_gradient_of_clipped_tokens():
     assert metrics["actor/pg_clipfrac"] == 1.0
 
 
+def test_every_builtin_loss_normalises_by_the_global_batch():
+    """They read config.global_batch_info (the worker would otherwise treat them as micro-batch means)."""
+    from rl_core.workers.actor_rollout_ref import reads_global_batch_info
+
+    assert [name for name, fn in POLICY_LOSSES.items() if not reads_global_batch_info(fn, actor_config())] == []
+
+
+def test_gspo_optimises_the_sequence_mean_whatever_the_aggregation_mode():
+    """GSPO's objective weighs every sequence the same (seq-mean-token-mean): a 1-token and a 7-token response with
+    different advantages give the same loss under token-mean as under the sequence mean."""
+    mask = torch.zeros(2, 7)
+    mask[0, 0], mask[1] = 1, 1
+    advantages = torch.tensor([[2.0] * 7, [-1.0] * 7])
+    old, new = torch.zeros(2, 7), torch.full((2, 7), 0.05)
+    fn = get_policy_loss_fn("gspo")
+    by_mode = {mode: fn(old, new, advantages, mask, mode, actor_config())[0].item() for mode in MODES}
+    assert len({round(v, 6) for v in by_mode.values()}) == 1
+    assert by_mode["token-mean"] == pytest.approx((-2.0 + 1.0) * math.exp(0.05) / 2, rel=1e-5)
+
+
 def test_gspo_uses_the_sequence_ratio():
     # log r = [0.1, 0.3] -> sequence ratio exp(0.2) on both tokens, A = 1 -> loss -exp(0.2) (not clipped at 1.28)
     loss, _ = get_policy_loss_fn("gspo")(torch.zeros(1, 2), torch.tensor([[0.1, 0.3]]), torch.ones(1, 2), torch.ones(1, 2), "token-mean", actor_config())

@@ -25,8 +25,7 @@ class EchoWorker:
     @dispatch(DP_COMPUTE)
     def double(self, batch: Batch) -> Batch:
         rank = int(os.environ.get("RANK", 0))
-        return Batch({"doubled": batch.tensors["x"] * 2, "rank": torch.full((len(batch),), rank)},
-                     meta_info={"metrics": {"rows": float(len(batch))}})
+        return Batch({"doubled": batch.tensors["x"] * 2, "rank": torch.full((len(batch),), rank)})
 
     @dispatch(ONE_TO_ALL)
     def sleep(self, seconds: float) -> float:

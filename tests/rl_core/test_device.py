@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 
 from rl_core.batch import Batch
 from rl_core.config import ConfigValueError, check_config
-from rl_core.device import DeviceError, compute_dtype, on_worker_device, resolve_device
+from rl_core.device import DeviceError, compute_dtype, cuda_device_index, on_worker_device, resolve_device
 from rl_core.input_checks import device_problems
 from rl_core.models.flops import matmul_weights, mfu, peak_flops, training_flops
 from rl_core.models.loading import load_policy_model
@@ -36,6 +36,24 @@ def test_cuda_on_a_machine_without_a_gpu_is_refused_before_anything_starts(confi
     assert "trainer.device=cuda but torch sees no GPU" in problem and "trainer.device=cpu" in problem
     config.trainer.ray.address = "10.0.0.1:6379"  # a remote cluster's GPUs are checked once connected
     assert device_problems(config) == []
+
+
+def test_a_ray_worker_that_sees_one_gpu_uses_device_0_whatever_its_local_rank():
+    """Ray gives an actor with num_gpus=1 only its own GPU: local rank 3 of a node is then cuda:0 (asking for cuda:3
+    failed every rank >= 1 before). A process that sees all of its node's GPUs (torchrun) uses its local rank."""
+    assert cuda_device_index(3, 1) == 0 and cuda_device_index(0, 1) == 0
+    assert cuda_device_index(3, 8) == 3
+    with pytest.raises(DeviceError, match="local rank 5, but this process sees 2 GPU"):
+        cuda_device_index(5, 2)
+
+
+def test_float16_training_is_refused(config):
+    """Without a loss scaler float16 gradients underflow silently: refused, with the way out."""
+    for key in ("actor_rollout_ref.actor.fsdp_config.dtype", "critic.fsdp.dtype", "actor_rollout_ref.model.dtype"):
+        changed = config.copy()
+        OmegaConf.update(changed, key, "fp16")
+        with pytest.raises(ConfigValueError, match=rf"{key}=float16.*loss scaling.*bfloat16"):
+            check_config(changed)
 
 
 def test_tensor_parallel_rollout_needs_vllm(config):
@@ -89,7 +107,7 @@ def test_bf16_compute_keeps_fp32_weights_and_matches_fp32_log_probs(tmp_path, co
     worker = workers["bfloat16"]
     before = {k: v.clone() for k, v in worker.module.state_dict().items()}
     batch = sequences.union(Batch({"old_log_probs": bf16, "advantages": torch.randn(mask.shape) * mask}))
-    metrics = worker.update_actor(batch).meta_info["metrics"]
+    metrics = worker.update_actor(batch)
     assert all(p.dtype == torch.float32 for p in worker.module.parameters())
     assert all(v.dtype == torch.float32 for s in worker.optimizer.state.values() for k, v in s.items() if k != "step")
     assert any(not torch.equal(before[k], v) for k, v in worker.module.state_dict().items())

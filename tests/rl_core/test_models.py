@@ -24,11 +24,12 @@ def test_make_tiny_model_cli_writes_a_checkpoint_that_loads_like_qwen25(tmp_path
     assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
     assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
     # the same pipeline a user's Qwen2.5 checkpoint takes: tokenizer -> AutoConfig -> class detection -> weights
-    model, tokenizer = load_policy_model(ModelConfig(path=str(out), dtype="float32", override_config={"attention_dropout": 0.0}))
+    model, tokenizer = load_policy_model(ModelConfig(path=str(out), dtype="float32", override_config={"attention_dropout": 0.0},
+                                                     enable_gradient_checkpointing=False))
     assert isinstance(model, Qwen2ForCausalLM) and tokenizer.padding_side == "left"
-    assert model.config.attention_dropout == 0.0 and not model.is_gradient_checkpointing
+    assert model.config.attention_dropout == 0.0 and not model.is_activation_checkpointing
     checkpointed, _ = load_policy_model(ModelConfig(path=str(out), enable_gradient_checkpointing=True))
-    assert checkpointed.is_gradient_checkpointing
+    assert checkpointed.is_activation_checkpointing
     assert tokenizer.chat_template and tokenizer.eos_token == "<|im_end|>"
     reference = AutoModelForCausalLM.from_pretrained(out)
     for (name, a), (_, b) in zip(model.state_dict().items(), reference.state_dict().items()):

@@ -113,5 +113,16 @@ def test_dapo_overlong_penalty_by_hand():
 
 def test_reward_model_scores_are_used_when_present():
     batch = response_batch(["ab"], ["a"], ["ab"])
-    batch.tensors["rm_scores"] = torch.tensor([[0.0, 0.0, 0.7] + [0.0] * 9])
-    assert RewardManager(CharTokenizer())(batch).token_level_scores[0, 2].item() == pytest.approx(0.7)
+    rm_scores = torch.tensor([[0.0, 0.0, 0.7] + [0.0] * 9])
+    result = RewardManager(CharTokenizer())(batch, rm_scores)
+    assert result.token_level_scores[0, 2].item() == pytest.approx(0.7) and result.metrics["reward/score_failures"] == 0
+
+
+def test_the_overlong_penalty_applies_to_reward_model_scores_too():
+    batch = response_batch(["1234567", "123456789"], ["a", "a"], ["", ""])
+    rm_scores = torch.zeros(2, 12)
+    rm_scores[0, 7], rm_scores[1, 9] = 2.0, 2.0  # on each response's last token
+    manager = RewardManager(CharTokenizer(), None, RewardConfig(overlong_buffer=OverlongBufferConfig(enable=True, len=4, penalty_factor=1.0)),
+                            DataConfig(max_response_length=12))
+    result = manager(batch, rm_scores)
+    assert result.token_level_scores.sum(-1).tolist() == pytest.approx([2.0, 1.5]) and result.extra_info["overlong"] == [False, True]

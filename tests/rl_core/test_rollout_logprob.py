@@ -1,14 +1,18 @@
 """HF rollout engine and response log-probs on the tiny model: masks, sampling settings, padding-free parity."""
 
+import json
+
 import pytest
 import torch
 
-from rl_core.config import ModelConfig
-from rl_core.models.loading import load_policy_model
+from rl_core.config import ModelConfig, RolloutConfig
+from rl_core.metrics import rollout_probs_diff_metrics
+from rl_core.models.loading import ModelLoadWarning, load_policy_model
 from rl_core.models.logprob import response_log_probs, response_values
+from rl_core.models.tiny import make_tiny_model
 from rl_core.models.value_head import load_critic_model
-from rl_core.rollout import build_rollout_engine
-from rl_core.rollout.base import response_mask_until_stop
+from rl_core.rollout import build_rollout_engine, hf_engine
+from rl_core.rollout.base import response_mask_until_stop, sampling_seed
 from tests.rl_core.helpers import addition_dataset
 
 
@@ -29,14 +33,15 @@ def test_response_mask_keeps_the_first_stop_token_and_nothing_after():
     assert response_mask_until_stop(responses, [7, 6]).tolist()[0] == [1, 1, 0, 0, 0]
 
 
-def test_generate_n_samples_per_prompt_with_verl_layout(policy, prompts, config):
+def test_generate_one_response_per_row_with_verl_layout(policy, prompts, config):
     model, tokenizer = policy
     engine = build_rollout_engine("hf", model=model, tokenizer=tokenizer, rollout_config=config.actor_rollout_ref.rollout)
-    out = engine.generate_sequences(prompts)
-    n, R, P = config.actor_rollout_ref.rollout.n, config.data.max_response_length, config.data.max_prompt_length
+    n, R, P = 3, config.data.max_response_length, config.data.max_prompt_length
+    out = engine.generate_sequences(prompts.repeat_interleave(n))  # the controller repeats each prompt n times
     assert len(out) == 6 * n
     assert out.tensors["responses"].shape == (6 * n, R) and out.tensors["input_ids"].shape == (6 * n, P + R)
     assert out.non_tensors["uid"].tolist() == [f"s0-{i}" for i in range(6) for _ in range(n)]
+    assert len({tuple(r) for r in out.tensors["responses"].tolist()}) > 6  # the samples of one prompt differ
     mask = out.tensors["response_mask"]
     responses = out.tensors["responses"]
     # after the first EOS: masked out and padded; the attention mask covers prompt + valid response
@@ -49,6 +54,27 @@ def test_generate_n_samples_per_prompt_with_verl_layout(policy, prompts, config)
     # positions continue from the prompt's last position
     positions = out.tensors["position_ids"]
     assert torch.equal(positions[:, P], positions[:, P - 1] + 1)
+
+
+def test_seeds_differ_across_ranks_chunks_and_steps():
+    """Every chunk of every rank draws its own random stream; a step re-run draws the same one."""
+    rollout = RolloutConfig()
+    seeds = [sampling_seed(rollout, {"global_step": step}, rank, chunk) for step in (1, 2, 1001) for rank in range(4) for chunk in range(50)]
+    assert len(set(seeds)) == len(seeds) and all(0 <= seed < 2**63 for seed in seeds)
+    assert sampling_seed(rollout, {"global_step": 7}, 1, 3) == sampling_seed(rollout, {"global_step": 7}, 1, 3)
+
+
+def test_each_chunk_of_each_rank_is_sampled_with_its_own_seed(policy, prompts, config, monkeypatch):
+    """The seeds the HF engine samples with, collected over two ranks and one-row chunks, are all different."""
+    model, tokenizer = policy
+    config.actor_rollout_ref.rollout.generation_batch_size = 1
+    engine = build_rollout_engine("hf", model=model, tokenizer=tokenizer, rollout_config=config.actor_rollout_ref.rollout)
+    used = []
+    monkeypatch.setattr(torch, "manual_seed", lambda seed: used.append(seed))
+    for rank in (0, 1):
+        monkeypatch.setattr(hf_engine, "data_parallel_rank", lambda: rank)
+        engine.generate_sequences(prompts.repeat_interleave(2))
+    assert len(used) == 2 * 12 and len(set(used)) == len(used)
 
 
 def test_sampling_is_seeded_by_global_step_and_greedy_validation_is_repeatable(policy, prompts, config):
@@ -67,17 +93,59 @@ def test_sampling_is_seeded_by_global_step_and_greedy_validation_is_repeatable(p
     assert torch.equal(greedy.tensors["responses"], chunked.tensors["responses"])
 
 
-def test_rollout_log_probs_match_a_recomputation(policy, prompts, config):
+@pytest.mark.parametrize("top_k, top_p", [(-1, 1.0), (5, 1.0), (-1, 0.9)])
+def test_rollout_log_probs_are_the_sampled_distributions(policy, prompts, config, top_k, top_p):
+    """Without truncation they equal ppoflow's recomputed old log-probs at the temperature; with top-k / top-p they
+    are the renormalised distribution the sampler drew from."""
     model, tokenizer = policy
-    config.actor_rollout_ref.rollout.calculate_log_probs = True
-    config.actor_rollout_ref.rollout.temperature = 0.7
-    out = build_rollout_engine("hf", model=model, tokenizer=tokenizer, rollout_config=config.actor_rollout_ref.rollout).generate_sequences(prompts)
+    rollout = config.actor_rollout_ref.rollout
+    rollout.calculate_log_probs, rollout.temperature, rollout.top_k, rollout.top_p = True, 0.7, top_k, top_p
+    out = build_rollout_engine("hf", model=model, tokenizer=tokenizer, rollout_config=rollout).generate_sequences(prompts.repeat_interleave(2))
     assert out.meta_info["temperature"] == 0.7
+    mask = out.tensors["response_mask"].bool()
+    with torch.no_grad():
+        logits = model(input_ids=out.tensors["input_ids"], attention_mask=out.tensors["attention_mask"],
+                       position_ids=out.tensors["position_ids"]).logits[:, -mask.shape[1] - 1: -1].float() / 0.7
+        if top_k > 0:
+            logits = logits.masked_fill(logits < logits.topk(top_k, dim=-1).values[..., -1:], -float("inf"))
+        if top_p < 1:
+            probs = torch.softmax(logits, -1)
+            sorted_probs, order = probs.sort(dim=-1)
+            drop_sorted = sorted_probs.cumsum(-1) <= 1 - top_p
+            logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), -float("inf"))
+        expected = torch.log_softmax(logits, -1).gather(-1, out.tensors["responses"].unsqueeze(-1)).squeeze(-1)
+    assert torch.allclose(out.tensors["rollout_log_probs"][mask], expected[mask], atol=1e-4)
+    assert torch.all(out.tensors["rollout_log_probs"][~mask] == 0)
+
+
+def test_a_checkpoints_generation_config_does_not_change_how_the_rollout_samples(tmp_path, config):
+    """A checkpoint whose generation_config.json carries a repetition penalty and a no-repeat rule (Qwen2.5-Instruct
+    ships a penalty): the samples still come from the policy whose log-probs are trained, and greedy is plain argmax."""
+    folder = make_tiny_model(tmp_path / "penalised", seed=0)
+    generation = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**generation, "repetition_penalty": 5.0, "no_repeat_ngram_size": 1,
+                                                                "temperature": 0.3, "top_k": 3}))
+    config.actor_rollout_ref.model.path = str(folder)
+    with pytest.warns(ModelLoadWarning, match="repetition_penalty=5.0.*not used"):
+        model, tokenizer = load_policy_model(config.actor_rollout_ref.model)
+    rollout = config.actor_rollout_ref.rollout
+    rollout.calculate_log_probs = True
+    prompts = addition_dataset(tmp_path, tokenizer, config.data, count=6).collate(list(range(6)))
+    out = build_rollout_engine("hf", model=model, tokenizer=tokenizer, rollout_config=rollout).generate_sequences(prompts.repeat_interleave(4))
+    mask = out.tensors["response_mask"].bool()
     with torch.no_grad():
         recomputed, _ = response_log_probs(model, out.tensors["input_ids"], out.tensors["attention_mask"], out.tensors["position_ids"],
-                                           out.tensors["responses"].shape[1], temperature=0.7)
-    mask = out.tensors["response_mask"].bool()
+                                           mask.shape[1], temperature=1.0)
     assert torch.allclose(out.tensors["rollout_log_probs"][mask], recomputed[mask], atol=1e-4)
+    assert rollout_probs_diff_metrics(out.tensors["rollout_log_probs"], recomputed, mask)["training/rollout_probs_diff_max"] < 1e-3
+    # greedy: each token is the argmax of the model's own logits (a penalty would have forbidden repeats)
+    prompts.meta_info["greedy"] = True
+    greedy = build_rollout_engine("hf", model=model, tokenizer=tokenizer, rollout_config=rollout).generate_sequences(prompts)
+    with torch.no_grad():
+        logits = model(input_ids=greedy.tensors["input_ids"], attention_mask=greedy.tensors["attention_mask"],
+                       position_ids=greedy.tensors["position_ids"]).logits[:, -mask.shape[1] - 1: -1]
+    greedy_mask = greedy.tensors["response_mask"].bool()
+    assert torch.equal(logits.argmax(-1)[greedy_mask], greedy.tensors["responses"][greedy_mask])
 
 
 def test_padding_free_log_probs_entropy_and_values_equal_the_padded_path(policy, prompts, config, tiny_model_path):

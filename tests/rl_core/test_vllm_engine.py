@@ -1,7 +1,8 @@
-"""The vllm rollout engine without vLLM (it cannot be installed here: no GPU, and its wheel pins another torch):
-the weight hand-over (names, LoRA merge, dtype), the config translation, the output layout from vLLM-shaped
-results, and the clear errors where vLLM or a GPU is missing. vLLM itself is stood in for only in the layout test."""
+"""The vllm rollout engine without vLLM (it is not installed in the test environment): the weight hand-over (names, LoRA
+merge, dtype), the config translation, the output layout from vLLM-shaped results, the order of the engine's calls to
+a recording stand-in for vLLM (said so in each test that uses one), and the clear errors where vLLM or a GPU is missing."""
 
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -14,9 +15,12 @@ from rl_core.input_checks import device_problems
 from rl_core.models.loading import load_policy_model
 from rl_core.models.lora import apply_lora
 from rl_core.rollout import build_rollout_engine
+from rl_core.rollout.base import SamplingParams
+from rl_core.rollout.vllm import engine as vllm_engine_module
 from rl_core.rollout.vllm.engine import VLLMNotAvailableError, VLLMRolloutEngine
 from rl_core.rollout.vllm.settings import engine_arguments, sampling_arguments, tensor_parallel_slice
 from rl_core.rollout.vllm.weights import checkpoint_name, inference_weights
+from tests.rl_core.helpers import addition_dataset
 
 
 def test_lora_actor_weights_arrive_as_a_merged_hf_checkpoint(tiny_model_path):
@@ -60,11 +64,11 @@ def test_engine_arguments_follow_the_config(config):
 
 
 def test_sampling_arguments():
-    sample = {"n": 4, "do_sample": True, "temperature": 0.7, "top_p": 0.9, "top_k": -1}
+    sample = SamplingParams(do_sample=True, temperature=0.7, top_p=0.9, top_k=-1)
     arguments = sampling_arguments(sample, 16, [2, 7], calculate_log_probs=True, seed=5)
-    assert arguments["n"] == 4 and arguments["temperature"] == 0.7 and arguments["top_k"] == 0 and arguments["logprobs"] == 0
+    assert arguments["n"] == 1 and arguments["temperature"] == 0.7 and arguments["top_k"] == 0 and arguments["logprobs"] == 0
     assert arguments["max_tokens"] == 16 and arguments["stop_token_ids"] == [2, 7] and arguments["seed"] == 5
-    greedy = sampling_arguments({**sample, "n": 1, "do_sample": False, "top_k": 5}, 16, [2], False, 0)
+    greedy = sampling_arguments(SamplingParams(do_sample=False, temperature=1.0, top_p=1.0, top_k=5), 16, [2], False, 0)
     assert greedy["temperature"] == 0.0 and greedy["top_k"] == 0 and greedy["logprobs"] is None
 
 
@@ -83,15 +87,95 @@ def test_outputs_take_verls_layout():
     def completion(tokens):
         return SimpleNamespace(token_ids=tokens, logprobs=[{t: SimpleNamespace(logprob=-0.1 * t)} for t in tokens])
 
-    outputs = [SimpleNamespace(outputs=[completion([1, 9]), completion([2, 3, 4, 5])]),
-               SimpleNamespace(outputs=[completion([9]), completion([4, 9, 3])])]
-    out = engine._to_batch(prompts, outputs, n=2, temperature=0.7)
-    assert out.non_tensors["uid"].tolist() == ["a", "a", "b", "b"]
-    assert out.tensors["responses"].tolist() == [[1, 9, 0, 0], [2, 3, 4, 5], [9, 0, 0, 0], [4, 9, 0, 0]]
-    assert out.tensors["response_mask"].tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0]]
-    assert torch.allclose(out.tensors["rollout_log_probs"][1], torch.tensor([-0.2, -0.3, -0.4, -0.5]))
-    assert out.tensors["rollout_log_probs"][3].tolist()[2:] == [0.0, 0.0]  # nothing after the stop token
+    outputs = [SimpleNamespace(outputs=[completion([2, 3, 4, 5])]), SimpleNamespace(outputs=[completion([4, 9, 3])])]
+    out = engine._to_batch(prompts, outputs, temperature=0.7)
+    assert out.non_tensors["uid"].tolist() == ["a", "b"]
+    assert out.tensors["responses"].tolist() == [[2, 3, 4, 5], [4, 9, 0, 0]]
+    assert out.tensors["response_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    assert torch.allclose(out.tensors["rollout_log_probs"][0], torch.tensor([-0.2, -0.3, -0.4, -0.5]))
+    assert out.tensors["rollout_log_probs"][1].tolist()[2:] == [0.0, 0.0]  # nothing after the stop token
     assert out.tensors["position_ids"][0].tolist() == [0, 0, 1, 2, 3, 4, 5] and out.meta_info["temperature"] == 0.7
+
+
+class RecordingLLM:
+    """A stand-in for ``vllm.LLM`` (vLLM is not installed here) that records the engine's calls in order and answers
+    ``generate`` with one completion per request: [the seed's last digit + 3, the stop token]."""
+
+    calls: list = []
+
+    def __init__(self, **arguments):
+        RecordingLLM.calls = [("LLM", arguments["generation_config"], arguments["load_format"])]
+
+    def collective_rpc(self, method, args=()):
+        RecordingLLM.calls.append((method, len(args[0])))
+
+    def sleep(self, level):
+        RecordingLLM.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        RecordingLLM.calls.append(("wake_up", tuple(tags)))
+
+    def reset_prefix_cache(self):
+        RecordingLLM.calls.append(("reset_prefix_cache",))
+
+    def generate(self, requests, params, use_tqdm=False):
+        RecordingLLM.calls.append(("generate", len(requests), tuple(p.n for p in params), tuple(p.seed for p in params)))
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[p.seed % 10 + 3, 2], logprobs=None)]) for p in params]
+
+
+@pytest.fixture()
+def recording_vllm(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=RecordingLLM, SamplingParams=SimpleNamespace))
+    return RecordingLLM
+
+
+def vllm_engine(config, free_cache_engine):
+    model, tokenizer = load_policy_model(config.actor_rollout_ref.model)
+    config.actor_rollout_ref.rollout.free_cache_engine = free_cache_engine
+    engine = VLLMRolloutEngine(model, tokenizer, config.actor_rollout_ref.rollout, config.actor_rollout_ref.model, torch.float32)
+    return engine, tokenizer
+
+
+def test_a_sleeping_engine_wakes_loads_the_weights_and_sleeps_again_around_each_rollout(config, recording_vllm, tmp_path):
+    engine, tokenizer = vllm_engine(config, free_cache_engine=True)
+    assert recording_vllm.calls[0] == ("LLM", "vllm", "dummy")  # vLLM's own sampling defaults, never the checkpoint's
+    assert [c[0] for c in recording_vllm.calls[1:]] == ["load_actor_weights", "sleep"]
+    prompts = addition_dataset(tmp_path, tokenizer, config.data, count=3).collate([0, 1, 2]).repeat_interleave(2)
+    prompts.meta_info["global_step"] = 1
+    del recording_vllm.calls[:]
+    engine.generate_sequences(prompts)
+    assert [c[:2] for c in recording_vllm.calls] == [("wake_up", ("weights",)), ("load_actor_weights", len(list(engine.model.state_dict()))),
+                                                    ("wake_up", ("kv_cache",)), ("generate", 6), ("sleep", 2)]
+
+
+def test_an_awake_engine_reloads_changed_weights_and_drops_its_prefix_cache_before_generating(config, recording_vllm, tmp_path):
+    """With free_cache_engine=false the engine keeps its KV cache between rollouts: after new weights, the cached prefix
+    blocks were computed with the old ones and must go (prompts shared across steps and GRPO groups hit them)."""
+    engine, tokenizer = vllm_engine(config, free_cache_engine=False)
+    prompts = addition_dataset(tmp_path, tokenizer, config.data, count=3).collate([0, 1, 2]).repeat_interleave(2)
+    for step in (1, 1, 2):
+        prompts.meta_info["global_step"] = step
+        engine.generate_sequences(prompts)
+    names = [c[0] for c in recording_vllm.calls[1:]]
+    assert names == ["load_actor_weights", "load_actor_weights", "reset_prefix_cache", "generate", "generate",
+                     "load_actor_weights", "reset_prefix_cache", "generate"]
+
+
+def test_each_row_is_one_request_with_a_seed_of_its_own(config, recording_vllm, tmp_path, monkeypatch):
+    """Prompts come repeated n times: each row is a request for one sample; seeds differ across rows, ranks and steps
+    (vLLM gives the j-th of n samples of a request seed + j, so seeds one apart used to collide)."""
+    engine, tokenizer = vllm_engine(config, free_cache_engine=True)
+    prompts = addition_dataset(tmp_path, tokenizer, config.data, count=4).collate([0, 1, 2, 3]).repeat_interleave(4)
+    seeds = []
+    for rank in (0, 1):
+        monkeypatch.setattr(vllm_engine_module, "data_parallel_rank", lambda: rank)
+        for step in (1, 2):
+            prompts.meta_info["global_step"] = step
+            out = engine.generate_sequences(prompts)
+            (_, count, ns, step_seeds), = [c for c in recording_vllm.calls if c[0] == "generate"][-1:]
+            assert count == len(out) == 16 and set(ns) == {1}
+            seeds += step_seeds
+    assert len(set(seeds)) == len(seeds) == 64
 
 
 def test_vllm_without_a_gpu_or_vllm_is_a_clear_error(config):

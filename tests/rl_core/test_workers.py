@@ -7,13 +7,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+from rl_core.algos import POLICY_LOSSES, register_policy_loss
+from rl_core.algos.aggregate import agg_loss
 from rl_core.algos.kl import get_kl_controller
+from rl_core.algos.masked import masked_mean
 from rl_core.batch import Batch
 from rl_core.models.loading import load_tokenizer
 from rl_core.data.sampler import ResumableSampler
 from rl_core.ppo_step import StepWorkers, run_ppo_step, run_validation, use_critic, use_reference
 from rl_core.reward.manager import RewardManager, build_reward_manager
 from rl_core.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
+from rl_core.workers import train_loop
 from rl_core.workers.train_loop import NonFiniteError
 from tests.rl_core.helpers import addition_dataset, assert_same_adam_step
 
@@ -133,7 +137,7 @@ def test_validation_scores_with_the_reward_model_when_enabled(tmp_path, config, 
 def fixed_batch(actor, tmp_path, config):
     prompts = addition_dataset(tmp_path, actor.tokenizer, config.data, count=8).collate(list(range(4)), "fix-")
     prompts.meta_info["global_step"] = 1
-    batch = actor.generate_sequences(prompts)
+    batch = actor.generate_sequences(prompts.repeat_interleave(config.actor_rollout_ref.rollout.n))
     batch.union(Batch(actor.compute_log_prob(batch).tensors))
     batch.union(Batch(actor.compute_ref_log_prob(batch).tensors))
     generator = torch.Generator().manual_seed(0)
@@ -146,7 +150,7 @@ def test_repeated_updates_on_a_fixed_batch_lower_the_loss(tmp_path, config):
     config.actor_rollout_ref.actor.clip_ratio_high = config.actor_rollout_ref.actor.clip_ratio_low = 10.0  # no clipping plateau
     actor, _ = build_workers(config, with_critic=False)
     batch = fixed_batch(actor, tmp_path, config)
-    losses = [actor.update_actor(batch).meta_info["metrics"]["actor/pg_loss"] for _ in range(8)]
+    losses = [actor.update_actor(batch)["actor/pg_loss"] for _ in range(8)]
     assert losses[-1] < losses[0] - 0.05, losses
 
     config.algorithm.adv_estimator = "gae"
@@ -155,12 +159,19 @@ def test_repeated_updates_on_a_fixed_batch_lower_the_loss(tmp_path, config):
     batch.union(Batch(critic.compute_values(batch).tensors))
     batch.tensors["returns"] = torch.ones_like(batch.tensors["values"]) * batch.tensors["response_mask"]
     config.critic.cliprange_value = 100.0
-    vf_losses = [critic.update_critic(batch).meta_info["metrics"]["critic/vf_loss"] for _ in range(8)]
+    vf_losses = [critic.update_critic(batch)["critic/vf_loss"] for _ in range(8)]
     assert vf_losses[-1] < vf_losses[0] * 0.5, vf_losses
 
 
-def test_micro_batch_size_does_not_change_the_update(tmp_path, config):
+@pytest.mark.parametrize("loss_mode", sorted(POLICY_LOSSES))
+def test_micro_batch_size_does_not_change_the_update(tmp_path, config, loss_mode):
+    """Every registered policy loss gives the same update (loss and weights) whatever the micro-batch size: the
+    micro-batch size is a memory knob. (clip_cov and kl_cov choose their tokens within each micro-batch, as verl does:
+    their choice is switched off here, so that what is compared is the losses' scale.)"""
     config.actor_rollout_ref.actor.use_kl_loss = True
+    config.actor_rollout_ref.actor.policy_loss.loss_mode = loss_mode
+    config.actor_rollout_ref.actor.policy_loss.clip_cov_lb = 1e9  # no token is a clip_cov candidate
+    config.actor_rollout_ref.actor.policy_loss.ppo_kl_coef = 0.0  # kl_cov's chosen tokens get no penalty
     actor, _ = build_workers(config, with_critic=False)
     batch = fixed_batch(actor, tmp_path, config)
     start = copy.deepcopy(actor.module.state_dict())
@@ -170,7 +181,7 @@ def test_micro_batch_size_does_not_change_the_update(tmp_path, config):
         fresh = ActorRolloutRefWorker(config.actor_rollout_ref, "actor_rollout_ref")
         fresh.init_model()
         fresh.module.load_state_dict(start)
-        metrics = fresh.update_actor(batch).meta_info["metrics"]
+        metrics = fresh.update_actor(batch)
         results.append((metrics["actor/pg_loss"], torch.cat([p.flatten() for p in fresh.module.parameters()])))
     for loss, weights in results[1:]:
         assert loss == pytest.approx(results[0][0], abs=1e-5)
@@ -205,12 +216,12 @@ def test_checkpoint_round_trip_and_hf_loadable(tmp_path, config):
     hf_model = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "actor")
     for name, tensor in actor.module.state_dict().items():
         assert torch.equal(hf_model.state_dict()[name], tensor), name
-    after_one = actor.update_actor(batch).meta_info["metrics"]
+    after_one = actor.update_actor(batch)
     restored = ActorRolloutRefWorker(config.actor_rollout_ref, "actor_rollout_ref")
     restored.init_model()
     restored.load_checkpoint(tmp_path / "ckpt" / "actor")
     assert restored.steps_trained == 1
-    again = restored.update_actor(batch).meta_info["metrics"]
+    again = restored.update_actor(batch)
     assert again["actor/pg_loss"] == pytest.approx(after_one["actor/pg_loss"], abs=1e-6)
     assert again["actor/grad_norm"] == pytest.approx(after_one["actor/grad_norm"], rel=1e-5)
 
@@ -220,9 +231,47 @@ def test_nan_loss_stops_the_update_without_touching_the_weights(tmp_path, config
     batch = fixed_batch(actor, tmp_path, config)
     batch.tensors["advantages"][0, 0] = float("nan")
     before = copy.deepcopy(actor.module.state_dict())
-    with pytest.raises(NonFiniteError, match="actor update: the loss is nan.*optimizer step was not taken"):
+    with pytest.raises(NonFiniteError, match=r"actor update: the loss is nan .*after 0 optimizer step\(s\).*resuming restarts from the last checkpoint"):
         actor.update_actor(batch)
     assert all(torch.equal(v, before[k]) for k, v in actor.module.state_dict().items())
+
+
+def test_a_non_finite_gradient_norm_skips_that_optimizer_step_as_verl_does(tmp_path, config, monkeypatch):
+    actor, _ = build_workers(config, with_critic=False)
+    batch = fixed_batch(actor, tmp_path, config)  # 16 rows in 2 mini-batches of 8
+    norms = iter([float("inf"), 0.5])
+    monkeypatch.setattr(train_loop, "clip_grad_norm", lambda parameters, max_norm: next(norms))
+    before = copy.deepcopy(actor.module.state_dict())
+    metrics = actor.update_actor(batch)
+    assert metrics["actor/skipped_steps"] == 1.0 and metrics["actor/grad_norm"] == 0.5
+    assert any(not torch.equal(v, before[k]) for k, v in actor.module.state_dict().items())  # the second step was taken
+
+
+def test_a_verl_legacy_loss_that_ignores_the_global_batch_info_is_scaled_to_the_mini_batch(tmp_path, config):
+    """A loss written for verl's legacy path returns a micro-batch mean; the worker says so at load and weighs it by the
+    micro-batch's share, so that the update does not depend on the micro-batch size."""
+    @register_policy_loss("legacy_mean_pg")
+    def legacy(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None):
+        return agg_loss(-advantages * torch.exp(log_prob - old_log_prob), response_mask, "token-mean"), {}
+
+    try:
+        config.actor_rollout_ref.actor.policy_loss.loss_mode = "legacy_mean_pg"
+        config.actor_rollout_ref.actor.ppo_mini_batch_size = config.data.train_batch_size
+        actor, _ = build_workers(config, with_critic=False)
+        batch = fixed_batch(actor, tmp_path, config)
+        start = copy.deepcopy(actor.module.state_dict())
+        updates = []
+        for micro in (2, 16):
+            config.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu = micro
+            fresh = ActorRolloutRefWorker(config.actor_rollout_ref, "actor_rollout_ref")
+            notes = fresh.init_model()
+            fresh.module.load_state_dict(start)
+            fresh.update_actor(batch)
+            updates.append(torch.cat([p.flatten() for p in fresh.module.parameters()]))
+        assert any("'legacy_mean_pg' does not read config.global_batch_info" in note for note in notes)
+        assert torch.allclose(updates[0], updates[1], atol=2e-5)
+    finally:
+        POLICY_LOSSES.pop("legacy_mean_pg")
 
 
 def test_role_checks(config):
@@ -300,13 +349,13 @@ def test_reusing_the_updates_log_probs_as_old_gives_the_same_update(tmp_path, co
     reference, _ = build_workers(config, with_critic=False)
     batch = fixed_batch(reference, tmp_path, config)
     start = copy.deepcopy(reference.module.state_dict())
-    entropy = reference.compute_log_prob(batch).meta_info["metrics"]["actor/entropy"]
-    recomputed = reference.update_actor(batch).meta_info["metrics"]
+    entropy = float(masked_mean(reference.compute_log_prob(batch).tensors["entropys"], batch.tensors["response_mask"]))
+    recomputed = reference.update_actor(batch)
     config.actor_rollout_ref.actor.recompute_old_log_prob = False
     reusing = ActorRolloutRefWorker(config.actor_rollout_ref, "actor_rollout_ref")
     reusing.init_model()
     reusing.module.load_state_dict(start)
-    reused = reusing.update_actor(Batch({k: v for k, v in batch.tensors.items() if k != "old_log_probs"})).meta_info["metrics"]
+    reused = reusing.update_actor(Batch({k: v for k, v in batch.tensors.items() if k != "old_log_probs"}))
     for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/kl_loss", "actor/grad_norm"):
         assert reused[key] == pytest.approx(recomputed[key], abs=1e-6), key
     assert reused["actor/entropy"] == pytest.approx(entropy, rel=1e-5)

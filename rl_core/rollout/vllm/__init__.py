@@ -8,6 +8,7 @@ from rl_core.rollout.base import register_rollout_engine
 
 @register_rollout_engine("vllm")
 def _build_vllm_engine(model: Any, tokenizer: Any, rollout_config: Any, model_config: Any, compute_dtype: Any) -> Any:
-    from rl_core.rollout.vllm.engine import VLLMRolloutEngine
+    from rl_core.rollout.vllm.engine import VLLMRolloutEngine, require_cuda
 
+    require_cuda(model)
     return VLLMRolloutEngine(model, tokenizer, rollout_config, model_config, compute_dtype)

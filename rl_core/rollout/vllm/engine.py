@@ -3,16 +3,19 @@
 Per rollout::
 
     wake_up(weights) -> load the actor's current weights -> wake_up(kv_cache)
-    -> generate n samples per prompt from the token ids -> sleep(level 2: weights and KV cache freed)
+    -> generate one sample per prompt row from the token ids -> sleep(level 2: weights and KV cache freed)
 
 so that between rollouts the whole GPU belongs to training (with ``free_cache_engine=false`` the engine stays awake
 and keeps ``gpu_memory_utilization`` of the GPU). The weights are the actor module's own, renamed and LoRA-merged
 by :func:`rl_core.rollout.vllm.weights.inference_weights`. A level-2 sleep discards them, so a sleeping engine loads
 them at every rollout; an engine that stays awake reloads them only when ``meta_info["global_step"]`` changes (the
-actor's weights change only in ``update_actor``, once per global step).
+actor's weights change only in ``update_actor``, once per global step), and then drops its prefix cache: cached KV
+blocks were computed with the older weights.
 
-Output: the layout of :mod:`rl_core.rollout.base` (responses right-padded, response_mask up to and including the first
-stop token), ``rollout_log_probs`` from vLLM's sampled-token log-probs when ``calculate_log_probs``.
+The controller repeats each prompt ``n`` times, so every row is one request (``n=1``) with a seed of its own; vLLM's
+prefix cache shares the repeated prompts' KV. Output: the layout of :mod:`rl_core.rollout.base` (responses
+right-padded, response_mask up to and including the first stop token), ``rollout_log_probs`` from vLLM's sampled-token
+log-probs when ``calculate_log_probs``.
 
 NEVER RUN: vLLM needs a CUDA GPU and its wheel pins its own torch, so it cannot be installed on this project's
 development or CI machines. This module is written against vLLM's documented Python API (``LLM``, ``SamplingParams``,
@@ -29,8 +32,9 @@ from typing import Any
 import torch
 
 from rl_core.batch import Batch
-from rl_core.rollout.base import assemble_sequences, response_mask_until_stop, sampling_seed, stop_token_ids
-from rl_core.rollout.hf_engine import sampling_settings
+from rl_core.batch_fields import ATTENTION_MASK, INPUT_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, TEMPERATURE
+from rl_core.rollout.base import (assemble_sequences, data_parallel_rank, response_mask_until_stop, sampling_params, sampling_seed,
+                                  stop_token_ids)
 from rl_core.rollout.vllm.settings import engine_arguments, sampling_arguments, tensor_parallel_slice
 from rl_core.rollout.vllm.weights import inference_weights
 
@@ -49,11 +53,16 @@ def import_vllm() -> Any:
     return vllm
 
 
+def require_cuda(model: torch.nn.Module) -> None:
+    if not torch.cuda.is_available() or next(model.parameters()).device.type != "cuda":
+        raise VLLMNotAvailableError("actor_rollout_ref.rollout.name=vllm runs on CUDA GPUs only (the actor is on the CPU); "
+                                    "use actor_rollout_ref.rollout.name=hf, or trainer.device=cuda on a GPU cluster")
+
+
 class VLLMRolloutEngine:
+    """vLLM in the actor's process (see the module doc); the factory (:mod:`rl_core.rollout.vllm`) checks for a GPU first."""
+
     def __init__(self, model: torch.nn.Module, tokenizer: Any, rollout_config: Any, model_config: Any, compute_dtype: torch.dtype):
-        if not torch.cuda.is_available() or next(model.parameters()).device.type != "cuda":
-            raise VLLMNotAvailableError("actor_rollout_ref.rollout.name=vllm runs on CUDA GPUs only (the actor is on the CPU); "
-                                        "use actor_rollout_ref.rollout.name=hf, or trainer.device=cuda on a GPU cluster")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process: weights by reference
         vllm = import_vllm()
         self.vllm = vllm
@@ -82,22 +91,25 @@ class VLLMRolloutEngine:
         if step is None or step != self.loaded_step or self.sleeps:  # after a level-2 sleep the weights must be reloaded
             self._load_weights()
             self.loaded_step = step
+            if not self.sleeps:  # an awake engine's prefix cache holds KV of the older weights
+                self.llm.reset_prefix_cache()
         if self.sleeps:
             self.llm.wake_up(tags=["kv_cache"])
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
     def generate_sequences(self, prompts: Batch) -> Batch:
-        settings = sampling_settings(self.config, prompts.meta_info)
+        settings = sampling_params(self.config, prompts.meta_info)
         step = prompts.meta_info.get("global_step")
         group, counts = self._tensor_parallel_prompts(prompts)
+        group_rank = data_parallel_rank() - data_parallel_rank() % self.tp_size  # the TP group's ranks send the same requests
         requests, params = [], []
         for i in range(len(group)):
-            ids = group.tensors["input_ids"][i][group.tensors["attention_mask"][i].bool()].tolist()  # left padding dropped
+            ids = group.tensors[INPUT_IDS][i][group.tensors[ATTENTION_MASK][i].bool()].tolist()  # left padding dropped
             requests.append({"prompt_token_ids": ids})
+            seed = sampling_seed(self.config, prompts.meta_info, group_rank, i)
             params.append(self.vllm.SamplingParams(**sampling_arguments(settings, self.response_length, self.stop_token_ids,
-                                                                        bool(self.config.calculate_log_probs),
-                                                                        sampling_seed(self.config, prompts.meta_info, i))))
+                                                                        bool(self.config.calculate_log_probs), seed)))
         self._wake_with_weights_of(step)
         try:
             outputs = self.llm.generate(requests, params, use_tqdm=False)
@@ -105,27 +117,26 @@ class VLLMRolloutEngine:
             if self.sleeps:
                 self.llm.sleep(level=2)
         if counts is not None:  # keep this TP rank's own prompts' samples
-            rows = tensor_parallel_slice(counts, torch.distributed.get_rank() % self.tp_size)
+            rows = tensor_parallel_slice(counts, data_parallel_rank() % self.tp_size)
             outputs, group = outputs[rows], prompts
-        return self._to_batch(group, outputs, settings["n"], settings["temperature"])
+        return self._to_batch(group, outputs, settings.temperature)
 
-    def _to_batch(self, prompts: Batch, outputs: list[Any], n: int, temperature: float) -> Batch:
-        """verl's layout from vLLM's outputs (each prompt's n completions adjacent, as ``repeat_interleave`` orders)."""
-        device = prompts.tensors["input_ids"].device
-        repeated = prompts.repeat_interleave(n) if n > 1 else prompts
-        responses = torch.full((len(repeated), self.response_length), self.pad_token_id, dtype=torch.long)
-        log_probs = torch.zeros((len(repeated), self.response_length), dtype=torch.float32)
-        completions = [completion for output in outputs for completion in output.outputs]
-        for row, completion in enumerate(completions):
+    def _to_batch(self, prompts: Batch, outputs: list[Any], temperature: float) -> Batch:
+        """verl's layout from vLLM's outputs (one completion per prompt row)."""
+        device = prompts.tensors[INPUT_IDS].device
+        responses = torch.full((len(prompts), self.response_length), self.pad_token_id, dtype=torch.long)
+        log_probs = torch.zeros((len(prompts), self.response_length), dtype=torch.float32)
+        for row, output in enumerate(outputs):
+            completion = output.outputs[0]
             tokens = list(completion.token_ids)[: self.response_length]
             responses[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
             if completion.logprobs is not None:
                 log_probs[row, : len(tokens)] = torch.tensor([step[token].logprob for token, step in zip(tokens, completion.logprobs)])
         responses, log_probs = responses.to(device), log_probs.to(device)
-        out = assemble_sequences(repeated, responses, response_mask_until_stop(responses, self.stop_token_ids), self.pad_token_id)
+        out = assemble_sequences(prompts, responses, response_mask_until_stop(responses, self.stop_token_ids), self.pad_token_id)
         if self.config.calculate_log_probs:
-            out.tensors["rollout_log_probs"] = log_probs * out.tensors["response_mask"]
-        out.meta_info["temperature"] = temperature
+            out.tensors[ROLLOUT_LOG_PROBS] = log_probs * out.tensors[RESPONSE_MASK]
+        out.meta_info[TEMPERATURE] = temperature
         return out
 
     def _tensor_parallel_prompts(self, prompts: Batch) -> tuple[Batch, list[int] | None]:
@@ -138,4 +149,4 @@ class VLLMRolloutEngine:
         gathered: list[Any] = [None] * world
         torch.distributed.all_gather_object(gathered, prompts.to("cpu"))
         group = gathered[first : first + self.tp_size]
-        return Batch.concat(group).to(prompts.tensors["input_ids"].device), [len(b) for b in group]
+        return Batch.concat(group).to(prompts.tensors[INPUT_IDS].device), [len(b) for b in group]

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from rl_core.rollout.base import SamplingParams
+
 VLLM_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 WORKER_EXTENSION = "rl_core.rollout.vllm.worker_extension.ActorWeightLoader"
 
@@ -39,23 +41,25 @@ def engine_arguments(rollout_config: Any, model_config: Any, compute_dtype: torc
         "worker_extension_cls": WORKER_EXTENSION,
         # log-probs of the distribution that was sampled (after temperature / top-k / top-p), as the HF engine reports
         "logprobs_mode": "processed_logprobs",
+        # sampling defaults are vLLM's own, never the checkpoint's generation_config.json (a repetition penalty there
+        # would make the samples come from another distribution than the one trained)
+        "generation_config": "vllm",
     }
     if model_config.override_config:
         arguments["hf_overrides"] = dict(model_config.override_config)
     return arguments
 
 
-def sampling_arguments(settings: dict[str, Any], response_length: int, stop_token_ids: list[int], calculate_log_probs: bool,
+def sampling_arguments(params: SamplingParams, response_length: int, stop_token_ids: list[int], calculate_log_probs: bool,
                        seed: int) -> dict[str, Any]:
-    """Keyword arguments of ``vllm.SamplingParams`` for one prompt: ``settings`` as
-    :func:`rl_core.rollout.hf_engine.sampling_settings` gives them (greedy = temperature 0 in vLLM), ``n`` samples
-    of at most ``response_length`` tokens, stopping at (and keeping) any stop token, seeded per prompt."""
-    greedy = not settings["do_sample"]
+    """Keyword arguments of ``vllm.SamplingParams`` for one prompt row: one sample (greedy = temperature 0 in vLLM) of
+    at most ``response_length`` tokens, stopping at (and keeping) any stop token, with a seed of its own."""
+    greedy = not params.do_sample
     return {
-        "n": int(settings["n"]),
-        "temperature": 0.0 if greedy else float(settings["temperature"]),
-        "top_p": 1.0 if greedy else float(settings["top_p"]),
-        "top_k": 0 if greedy or settings["top_k"] <= 0 else int(settings["top_k"]),  # 0 = no top-k
+        "n": 1,
+        "temperature": 0.0 if greedy else params.temperature,
+        "top_p": 1.0 if greedy else params.top_p,
+        "top_k": 0 if greedy or params.top_k <= 0 else params.top_k,  # 0 = no top-k
         "max_tokens": int(response_length),
         "min_tokens": 0,
         "stop_token_ids": list(stop_token_ids),
