@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rl_core.algos.kl import get_kl_controller  # noqa: E402
 from rl_core.batch import Batch  # noqa: E402
+from rl_core.batch_fields import ADVANTAGES, ATTENTION_MASK, OLD_LOG_PROBS, REF_LOG_PROB, RESPONSE_MASK  # noqa: E402
 from rl_core.config import PPOTrainerConfig  # noqa: E402
 from rl_core.data.dataset import RLDataset, write_rows  # noqa: E402
 from rl_core.data.sampler import ResumableSampler  # noqa: E402
@@ -109,14 +110,14 @@ def parity(folder: Path, data_path: Path, device: str) -> dict[str, float]:
     reference = build_worker(reference_config, "cpu")
     checked = build_worker(run_config(model_path, data_path, 4, 2, 8, "bfloat16"), device)
     data = RLDataset(str(data_path), reference.tokenizer, reference_config.data)
-    sequences = reference.generate_sequences(data.collate([0, 1, 2, 3], uid_prefix="p-"))
-    mask = sequences.tensors["response_mask"].bool()
-    expected = reference.compute_log_prob(sequences).tensors["old_log_probs"]
-    got = checked.compute_log_prob(sequences).tensors["old_log_probs"]
+    sequences = reference.generate_sequences(data.collate([0, 1, 2, 3], uid_prefix="p-").repeat_interleave(2))
+    mask = sequences.tensors[RESPONSE_MASK].bool()
+    expected = reference.compute_log_prob(sequences).tensors[OLD_LOG_PROBS]
+    got = checked.compute_log_prob(sequences).tensors[OLD_LOG_PROBS]
     log_prob_error = float((expected - got)[mask].abs().max())
 
     advantages = torch.randn(mask.shape, generator=torch.Generator().manual_seed(0)) * mask
-    update = sequences.union(Batch({"old_log_probs": expected, "advantages": advantages, "ref_log_prob": expected}))
+    update = sequences.union(Batch({OLD_LOG_PROBS: expected, ADVANTAGES: advantages, REF_LOG_PROB: expected}))
     deltas = []
     for worker in (reference, checked):
         before = {k: v.detach().float().cpu().clone() for k, v in worker.module.state_dict().items()}
@@ -144,14 +145,16 @@ def speed(folder: Path, data_path: Path, device: str, steps: int) -> dict[str, f
         batch, metrics = run_ppo_step(config, StepWorkers(actor=worker), data, sampler, reward, kl_controller, step)
         rows.append({
             "step_s": time.perf_counter() - started,
-            "rollout_tokens_per_s": float(batch.tensors["response_mask"].sum()) / metrics["timing_s/gen"],
-            "train_tokens_per_s": float(batch.tensors["attention_mask"].sum()) / metrics["timing_s/update_actor"],
+            "rollout_tokens_per_s": float(batch.tensors[RESPONSE_MASK].sum()) / metrics["timing_s/gen"],
+            "train_tokens_per_s": float(batch.tensors[ATTENTION_MASK].sum()) / metrics["timing_s/update_actor"],
+            "rollout_probs_diff_max": metrics["training/rollout_probs_diff_max"],  # bf16 sampling vs bf16 recomputation
             "mfu": metrics.get("perf/mfu/actor"),  # None on the CPU or an unknown GPU (rl_core.models.flops)
             "peak_memory_gb": metrics.get("perf/max_memory_allocated_gb", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20),
         })
         print(f"step {step}: " + "  ".join(f"{k} {v:.4g}" for k, v in rows[-1].items() if v is not None), flush=True)
     measured = rows[1:] or rows  # the first step warms up (allocator, kernels, compilation)
     result = {key: statistics.median(r[key] for r in measured) for key in ("step_s", "rollout_tokens_per_s", "train_tokens_per_s")}
+    result["rollout_probs_diff_max"] = max(r["rollout_probs_diff_max"] for r in measured)
     result["mfu"] = statistics.median(r["mfu"] for r in measured) if measured[0]["mfu"] is not None else None
     result["peak_memory_gb"] = max(r["peak_memory_gb"] for r in rows)
     result["parameters_m"] = sum(p.numel() for p in worker.module.parameters()) / 1e6

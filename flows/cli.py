@@ -28,8 +28,8 @@ def _list_algorithms(args: argparse.Namespace) -> int:
 def _make_tiny_model(args: argparse.Namespace) -> int:
     from rl_core.models.tiny import make_tiny_model
 
-    folder = make_tiny_model(args.out, seed=args.seed, hidden_size=args.hidden_size, num_layers=args.num_layers)
-    print(f"wrote a tiny Qwen2 checkpoint to {folder} (use it as actor_rollout_ref.model.path={folder})")
+    folder = make_tiny_model(args.out, seed=args.seed, hidden_size=args.hidden_size, num_layers=args.num_layers, family=args.family)
+    print(f"wrote a tiny {args.family} checkpoint to {folder} (use it as actor_rollout_ref.model.path={folder})")
     return 0
 
 
@@ -315,13 +315,16 @@ def _run_flow_command(args: argparse.Namespace) -> int:
         path = _traceback_file(args.command)
         if args.verbose:
             traceback.print_exc()
-        message = str(error).strip().splitlines()
-        print(f"ppoflow {args.command}: {type(error).__name__}: {message[0] if message else ''}\n(the traceback: {path}"
-              f"{'' if args.verbose else '; --verbose prints it'})", file=sys.stderr)
+        from flows.prefect_view import one_line
+
+        print(f"ppoflow {args.command}: {one_line(error)}\n(the traceback: {path}{'' if args.verbose else '; --verbose prints it'})",
+              file=sys.stderr)
         return 1
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from rl_core.models.families import FAMILIES
+
     parser = argparse.ArgumentParser(prog="ppoflow", description="RL post-training of LLMs: Prefect flows driving Ray workers, tracked in MLflow.")
     commands = parser.add_subparsers(dest="command", required=True)
     flow_options = argparse.ArgumentParser(add_help=False)
@@ -399,8 +402,9 @@ def build_parser() -> argparse.ArgumentParser:
     ui.set_defaults(run=_ui)
     algos = commands.add_parser("algos", help="list the registered advantage estimators, policy losses, aggregations and KL penalties")
     algos.set_defaults(run=_list_algorithms)
-    tiny = commands.add_parser("make-tiny-model", help="write a tiny Qwen2 model + tokenizer (no download) to OUT")
+    tiny = commands.add_parser("make-tiny-model", help="write a tiny randomly initialised model + tokenizer (no download) to OUT")
     tiny.add_argument("out", help="output folder")
+    tiny.add_argument("--family", default="qwen2", choices=sorted(FAMILIES), help="the model family (default qwen2)")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--hidden-size", type=int, default=64)
     tiny.add_argument("--num-layers", type=int, default=2)

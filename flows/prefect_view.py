@@ -36,10 +36,12 @@ def mlflow_run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
 
 
 def one_line(error: BaseException) -> str:
-    """``Type: first line of the message`` (Ray and torch errors run over many lines; a state message should not)."""
+    """``Type: first line of the message (its notes)`` (Ray and torch errors run over many lines; a state message should
+    not): a worker's error carries the stage and the worker that raised it as a note."""
     text = str(error).strip()
     first = text.splitlines()[0] if text else ""
-    return f"{type(error).__name__}: {first}"[:500]
+    notes = "; ".join(getattr(error, "__notes__", []))
+    return f"{type(error).__name__}: {first}{f' ({notes})' if notes else ''}"[:500]
 
 
 class PrefectRunView:

@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from flows.config import flatten
 from flows.secrets import redacted
+from rl_core.checkpoint import TRAINING_STATE_FILE
 from rl_core.config import TrainerConfig
 
 STEP_MARKER = "training/global_step"
@@ -146,9 +147,17 @@ class RunTracker:
         self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
     def log_final_model(self, actor_folder: Path, register_as: str | None) -> str:
-        """Upload the actor's HF folder as the ``model`` artifact; register a version when ``register_as`` is set."""
+        """Upload the actor's HF folder (weights or LoRA adapter, config, tokenizer; not the optimizer state, which only
+        a resume needs and which is 2-3x the weights) as the ``model`` artifact; register a version when ``register_as``
+        is set."""
         self.flush()
-        self.client.log_artifacts(self.run_id, str(actor_folder), artifact_path="model")
+        for path in sorted(Path(actor_folder).iterdir()):
+            if path.name == TRAINING_STATE_FILE:
+                continue
+            if path.is_dir():
+                self.client.log_artifacts(self.run_id, str(path), artifact_path=f"model/{path.name}")
+            else:
+                self.client.log_artifact(self.run_id, str(path), artifact_path="model")
         source = f"{self.client.get_run(self.run_id).info.artifact_uri}/model"
         if register_as:
             try:

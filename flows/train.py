@@ -38,6 +38,7 @@ from infra.cluster import connect, is_persistent
 from infra.worker_group import WorkerDiedError, WorkerGroup, WorkerTimeoutError
 from rl_core.algos.kl import get_kl_controller
 from rl_core.batch import Batch
+from rl_core.batch_fields import ADVANTAGES, ATTENTION_MASK, OLD_LOG_PROBS, PROMPTS, REF_LOG_PROB, RESPONSE_MASK, RESPONSES, TOKEN_LEVEL_SCORES
 from rl_core.data.dataset import RLDataset
 from rl_core.data.sampler import ResumableSampler
 from rl_core.input_checks import check_run_inputs
@@ -72,6 +73,12 @@ def resume_folder(config: DictConfig, checkpoints: StepCheckpoints, log=print) -
     checkpoint is reported and skipped), or None."""
     mode = config.trainer.resume_mode
     if mode == "disable":
+        earlier = checkpoints.steps()
+        if earlier:
+            runs = sorted({str(checkpoints.run_of(step)) for step in earlier})
+            log(f"trainer.resume_mode=disable: {checkpoints.root} holds checkpoints of MLflow run(s) {', '.join(runs)} (steps "
+                f"{earlier[0]}-{earlier[-1]}); this run's global_step_N folders replace theirs of the same step, the others stay "
+                f"(a run prunes only its own); another trainer.default_local_dir keeps the runs apart")
         return None
     if mode == "resume_path":
         if not config.trainer.resume_from_path:
@@ -91,18 +98,19 @@ def samples_table(batch: Batch, tokenizer: Any, count: int) -> dict[str, list]:
     tokens by them)."""
     rows = list(range(0, len(batch), max(1, len(batch) // count)))[:count]
     tensors = batch.tensors
-    lengths = tensors["response_mask"].sum(-1).tolist()
-    prompt_width = tensors["prompts"].shape[1]
+    lengths = tensors[RESPONSE_MASK].sum(-1).tolist()
+    prompt_width = tensors[PROMPTS].shape[1]
     table = {
-        "prompt": [tokenizer.decode(tensors["prompts"][r][tensors["attention_mask"][r, :prompt_width].bool()], skip_special_tokens=False) for r in rows],
-        "response": [tokenizer.decode(tensors["responses"][r, : lengths[r]], skip_special_tokens=False) for r in rows],
-        "score": [float(tensors["token_level_scores"][r].sum()) for r in rows],
-        "advantage": [float(tensors["advantages"][r, 0]) for r in rows],
-        "response_tokens": [[tokenizer.decode([token]) for token in tensors["responses"][r, : lengths[r]].tolist()] for r in rows],
-        "token_advantages": [tensors["advantages"][r, : lengths[r]].tolist() for r in rows],
+        "prompt": [tokenizer.decode(tensors[PROMPTS][r][tensors[ATTENTION_MASK][r, :prompt_width].bool()], skip_special_tokens=False)
+                   for r in rows],
+        "response": [tokenizer.decode(tensors[RESPONSES][r, : lengths[r]], skip_special_tokens=False) for r in rows],
+        "score": [float(tensors[TOKEN_LEVEL_SCORES][r].sum()) for r in rows],
+        "advantage": [float(tensors[ADVANTAGES][r, 0]) for r in rows],
+        "response_tokens": [[tokenizer.decode([token]) for token in tensors[RESPONSES][r, : lengths[r]].tolist()] for r in rows],
+        "token_advantages": [tensors[ADVANTAGES][r, : lengths[r]].tolist() for r in rows],
     }
-    if "ref_log_prob" in tensors and "old_log_probs" in tensors:
-        kl = tensors["old_log_probs"] - tensors["ref_log_prob"]
+    if REF_LOG_PROB in tensors and OLD_LOG_PROBS in tensors:
+        kl = tensors[OLD_LOG_PROBS] - tensors[REF_LOG_PROB]
         table["token_kl"] = [kl[r, : lengths[r]].tolist() for r in rows]
     return table
 
@@ -220,7 +228,7 @@ def run_training(config: DictConfig, tags: dict[str, str] | None = None) -> dict
                         val_metrics = run_validation(config, stage_workers, val_data, reward_manager)
                         metrics.update(val_metrics)
                     seconds = time.perf_counter() - started
-                    tokens = float(batch.tensors["attention_mask"].sum())
+                    tokens = float(batch.tensors[ATTENTION_MASK].sum())
                     metrics.update({"perf/time_per_step": seconds, "perf/total_num_tokens": tokens,
                                     "perf/throughput": tokens / seconds / workers.world_size, "training/epoch": float(progress.sampler.epoch)})
                     progress.global_step = step

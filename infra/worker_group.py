@@ -7,7 +7,8 @@
 * ``group.role("actor_rollout_ref").update_actor(batch)`` calls ``actor_rollout_ref_update_actor`` on the
   ranks as the method's dispatch mode says, and waits at most ``timeout_s``: a dead worker is an error naming
   it as soon as Ray reports the death (never a hang on its peers), a slow one an error naming the stage and
-  the ranks that did not answer.
+  the ranks that did not answer, and an error raised in a worker comes back as itself, noted with the stage and
+  the worker (:func:`worker_exception`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from infra.dispatch import collect_results, split_arguments
@@ -37,6 +38,17 @@ class WorkerTimeoutError(TimeoutError):
     """Workers did not answer a call within its timeout. The call goes on running: Ray cannot stop a running call of
     a plain actor, nor one queued behind it (measured on Ray 2.60: a cancelled queued call still runs), so the
     group is unusable until it is rebuilt; a retry on the same workers would queue behind the stale call."""
+
+
+def worker_exception(error: RayTaskError, stage: str, worker: str) -> BaseException:
+    """The exception a worker raised, as itself (its own type and message, not Ray's wrapper line), with a note naming
+    the stage and the worker; Ray's wrapper, which holds the worker's traceback, is chained as its cause. An exception
+    Ray could not bring back stays wrapped."""
+    cause = error.cause
+    if not isinstance(cause, BaseException) or isinstance(cause, RayError):
+        return error.as_instanceof_cause()
+    cause.add_note(f"raised in stage {stage!r} by worker {worker}")
+    return cause
 
 
 def placement_group_prefix(namespace: str, prefix: str) -> str:
@@ -143,7 +155,7 @@ class WorkerGroup:
                 name = names[index_of[ref]]
                 raise WorkerDiedError(f"stage {stage!r}: worker {name} died ({type(error).__name__}); the group must be rebuilt from the last checkpoint", name) from error
             except RayTaskError as error:
-                raise error.as_instanceof_cause() from None
+                raise worker_exception(error, stage, names[index_of[ref]]) from error
         return results
 
     # ------------------------------------------------------------------ cleanup

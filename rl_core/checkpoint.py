@@ -17,6 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 TREE_KEY = "ppoflow_tree"
+TRAINING_STATE_FILE = "state.safetensors"  # a worker's optimizer, LR scheduler, counters: a resume needs it, a model does not
 
 
 def _encode(value: Any, tensors: dict[str, torch.Tensor]) -> Any:

@@ -2,9 +2,10 @@
 
 A step checkpoint holds the workers' folders (``actor/``, ``critic/``: HF safetensors weights, optimizer,
 scheduler, RNG) and ``trainer_state.json`` (global step, data position, KL controller, tracking run id, ...).
-Writing is crash-safe: everything goes to ``.tmp_global_step_N/``, which is renamed when complete; then the
-pointer file ``latest_checkpointed_iteration.txt`` is replaced atomically. A crash at any point leaves the
-previous checkpoint and pointer intact. A pointer to a missing or incomplete folder is an error, never a
+Writing is crash-safe: everything goes to ``.tmp_global_step_N/``, which is renamed when complete (a step written
+again sets its old folder aside first, and a crash in between puts it back); then the pointer file
+``latest_checkpointed_iteration.txt`` is replaced atomically. A crash at any point leaves the previous checkpoint and
+pointer intact. A pointer to a missing or incomplete folder is an error, never a
 silent fresh start.
 
 Each checkpoint verifies itself: ``manifest.json`` (every file's size and SHA-256) is written last, and
@@ -106,6 +107,19 @@ class StepCheckpoints:
     def step_dir(self, step: int) -> Path:
         return self.root / f"global_step_{step}"
 
+    def _aside(self, step: int) -> Path:
+        """Where a step's previous folder waits while the same step is written again."""
+        return self.root / f".replaced_global_step_{step}"
+
+    def _restore_set_aside(self) -> None:
+        """A crash between setting a step's old folder aside and renaming the new one into place: the old one goes back."""
+        for aside in self.root.glob(".replaced_global_step_*"):
+            final = self.root / aside.name.removeprefix(".replaced_")
+            if final.exists():
+                shutil.rmtree(aside, ignore_errors=True)
+            else:
+                os.replace(aside, final)
+
     def staging_dir(self, step: int) -> Path:
         """An empty temporary folder for step ``step``'s checkpoint; workers write their parts below it."""
         staging = self.root / f".tmp_global_step_{step}"
@@ -122,9 +136,12 @@ class StepCheckpoints:
         (staging / STATE_FILE).write_text(json.dumps({**trainer_state, "global_step": step}, indent=1))
         write_manifest(staging)
         final = self.step_dir(step)
-        if final.exists():
-            shutil.rmtree(final)
+        replaced = self._aside(step)
+        if final.exists():  # a step written again (a resumed run): the old folder stays whole until the new one is in place
+            shutil.rmtree(replaced, ignore_errors=True)
+            os.replace(final, replaced)
         os.replace(staging, final)
+        shutil.rmtree(replaced, ignore_errors=True)
         pointer_tmp = self.root / f".{POINTER_FILE}.tmp"
         pointer_tmp.write_text(str(step))
         os.replace(pointer_tmp, self.root / POINTER_FILE)
@@ -133,6 +150,7 @@ class StepCheckpoints:
 
     def pointer_step(self) -> int | None:
         """The step the pointer names (None when there is no pointer)."""
+        self._restore_set_aside()
         pointer = self.root / POINTER_FILE
         if not pointer.exists():
             return None
@@ -157,8 +175,7 @@ class StepCheckpoints:
             return None, []
         if not self.step_dir(step).is_dir():  # a dangling pointer is an error, never a silent step back
             self.check_complete(self.step_dir(step))
-        others = sorted((int(p.name.removeprefix("global_step_")) for p in self.root.glob("global_step_*")
-                         if p.name.removeprefix("global_step_").isdigit()), reverse=True)
+        others = sorted(self.steps(), reverse=True)
         skipped = []
         for candidate in [step] + [s for s in others if s < step]:
             problem = damage(self.step_dir(candidate))
@@ -218,10 +235,25 @@ class StepCheckpoints:
         self.check_complete(folder)
         return json.loads((folder / STATE_FILE).read_text())
 
+    def steps(self) -> list[int]:
+        """The step numbers of the ``global_step_N`` folders, in order."""
+        names = (p.name.removeprefix("global_step_") for p in self.root.glob("global_step_*"))
+        return sorted(int(name) for name in names if name.isdigit())
+
+    def run_of(self, step: int) -> str | None:
+        """The MLflow run that wrote step ``step``'s checkpoint (None when its state file is unreadable)."""
+        try:
+            return json.loads((self.step_dir(step) / STATE_FILE).read_text()).get("mlflow_run_id")
+        except (OSError, ValueError):
+            return None
+
     def _prune(self, newest: int) -> None:
+        """Keep the ``max_to_keep`` newest checkpoints of the run that wrote ``newest``; another run's in the same folder
+        (a run started with resume_mode=disable) are not this run's to delete."""
         if not self.max_to_keep or self.max_to_keep <= 0:
             return
-        steps = sorted(int(p.name.removeprefix("global_step_")) for p in self.root.glob("global_step_*") if p.name.removeprefix("global_step_").isdigit())
-        for step in steps[: -self.max_to_keep]:
+        run = self.run_of(newest)
+        own = [step for step in self.steps() if self.run_of(step) == run]
+        for step in own[: -self.max_to_keep]:
             if step != newest:
                 shutil.rmtree(self.step_dir(step), ignore_errors=True)

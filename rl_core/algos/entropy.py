@@ -3,24 +3,30 @@
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 
 from rl_core.algos.aggregate import agg_loss
+
+
+def _chunk_entropy(chunk: torch.Tensor) -> torch.Tensor:
+    chunk = chunk.float()
+    return torch.logsumexp(chunk, dim=-1) - (torch.softmax(chunk, dim=-1) * chunk).sum(dim=-1)
 
 
 def entropy_from_logits(logits: torch.Tensor, chunk_size: int | None = 2048) -> torch.Tensor:
     """H = logsumexp(z) - sum softmax(z) z over the last dim, for every leading position.
 
-    The softmax is materialised for at most ``chunk_size`` positions at a time (in float32), so peak extra
-    memory is chunk_size x vocab instead of the whole (batch x length x vocab). ``None`` = one chunk.
+    The float32 softmax is materialised for at most ``chunk_size`` positions at a time, so peak extra memory is
+    chunk_size x vocab instead of the whole (batch x length x vocab). When a gradient will flow (an entropy bonus), each
+    chunk is recomputed in the backward pass instead of keeping its softmax: the saving holds under autograd too.
+    ``None`` = one chunk.
     """
     leading_shape = logits.shape[:-1]
     flat = logits.reshape(-1, logits.shape[-1])
-    step = flat.shape[0] if chunk_size is None else chunk_size
-    pieces = []
-    for start in range(0, flat.shape[0], max(step, 1)):
-        chunk = flat[start : start + step].float()
-        probs = torch.softmax(chunk, dim=-1)
-        pieces.append(torch.logsumexp(chunk, dim=-1) - (probs * chunk).sum(dim=-1))
+    step = max(flat.shape[0] if chunk_size is None else chunk_size, 1)
+    recompute = flat.requires_grad and torch.is_grad_enabled()
+    pieces = [torch.utils.checkpoint.checkpoint(_chunk_entropy, chunk, use_reentrant=False) if recompute else _chunk_entropy(chunk)
+              for chunk in flat.split(step)]
     entropy = torch.cat(pieces) if pieces else flat.new_zeros(0, dtype=torch.float32)
     return entropy.reshape(leading_shape)
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from rl_core.batch import Batch
+from rl_core.batch_fields import ATTENTION_MASK, DATA_SOURCE, EXTRA_INFO, INPUT_IDS, POSITION_IDS, RAW_PROMPT, REWARD_MODEL, UID
 
 
 class DatasetError(ValueError):
@@ -171,11 +172,11 @@ class RLDataset:
         position_ids = torch.clamp(torch.cumsum(attention_mask, dim=-1) - 1, min=0)
         rows = [self.rows[i] for i in indices]
         non_tensors = {
-            "data_source": [r["data_source"] for r in rows],
-            "reward_model": [r["reward_model"] for r in rows],
-            "extra_info": [r.get("extra_info") or {} for r in rows],
+            DATA_SOURCE: [r["data_source"] for r in rows],
+            REWARD_MODEL: [r["reward_model"] for r in rows],
+            EXTRA_INFO: [r.get("extra_info") or {} for r in rows],
             "ability": [r.get("ability", "") for r in rows],
-            "raw_prompt": [r[self.prompt_key] for r in rows],
-            "uid": [f"{uid_prefix}{i}" for i in indices],
+            RAW_PROMPT: [r[self.prompt_key] for r in rows],
+            UID: [f"{uid_prefix}{i}" for i in indices],
         }
-        return Batch({"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}, non_tensors)
+        return Batch({INPUT_IDS: input_ids, ATTENTION_MASK: attention_mask, POSITION_IDS: position_ids}, non_tensors)

@@ -18,19 +18,26 @@ from __future__ import annotations
 import inspect
 
 import torch
+import torch.utils.checkpoint
 
 from rl_core.algos.entropy import entropy_from_logits
 
 
+def _chunk_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = logits.float()
+    return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
 def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
-    """log softmax(logits)[label] for each position, computed in chunks of rows (no full log-softmax tensor)."""
+    """log softmax(logits)[label] for each position, computed in chunks of rows (no full log-softmax tensor). When a
+    gradient will flow, each chunk is recomputed in the backward pass: its float32 copy of half-precision logits is
+    not kept for it."""
     flat_logits = logits.reshape(-1, logits.shape[-1])
     flat_labels = labels.reshape(-1)
-    pieces = []
-    for start in range(0, flat_logits.shape[0], chunk_size):
-        chunk = flat_logits[start : start + chunk_size].float()
-        picked = chunk.gather(-1, flat_labels[start : start + chunk_size].unsqueeze(-1)).squeeze(-1)
-        pieces.append(picked - torch.logsumexp(chunk, dim=-1))
+    recompute = flat_logits.requires_grad and torch.is_grad_enabled() and flat_logits.dtype != torch.float32
+    pieces = [torch.utils.checkpoint.checkpoint(_chunk_log_probs, chunk, chunk_labels, use_reentrant=False) if recompute
+              else _chunk_log_probs(chunk, chunk_labels)
+              for chunk, chunk_labels in zip(flat_logits.split(chunk_size), flat_labels.split(chunk_size))]
     return torch.cat(pieces).reshape(labels.shape) if pieces else flat_logits.new_zeros(labels.shape)
 
 

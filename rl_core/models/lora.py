@@ -18,6 +18,9 @@ import torch
 from rl_core.models.loading import ModelLoadError
 
 
+CRITIC_HEADS = ("score", "classifier", "value_head")  # the module that turns a critic's hidden states into values
+
+
 def uses_lora(model_config: Any) -> bool:
     return int(model_config.lora_rank) > 0 or bool(model_config.lora_adapter_path)
 
@@ -38,8 +41,12 @@ def apply_lora(model: torch.nn.Module, model_config: Any, task_type: str = "CAUS
     target_modules = model_config.target_modules
     if not isinstance(target_modules, str):
         target_modules = list(target_modules)
-    lora_config = LoraConfig(r=rank, lora_alpha=int(model_config.lora_alpha), target_modules=target_modules,
-                             lora_dropout=0.0, bias="none", task_type=task_type)
+    # a critic's head is new: it trains whole, and gets no adapter ("all-linear" would give it one too). peft's
+    # token-classification task trains `score` / `classifier` whole; the value head ppoflow adds to bodies without a
+    # token-classification class is named here.
+    heads = [name for name in CRITIC_HEADS if isinstance(getattr(model, name, None), torch.nn.Module)]
+    lora_config = LoraConfig(r=rank, lora_alpha=int(model_config.lora_alpha), target_modules=target_modules, lora_dropout=0.0,
+                             bias="none", task_type=task_type, modules_to_save=heads or None, exclude_modules=heads or None)
     return get_peft_model(model, lora_config)
 
 

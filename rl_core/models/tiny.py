@@ -1,7 +1,9 @@
-"""Tiny models built in code, with no download: a small Qwen2 and a byte-level BPE tokenizer with a chat template.
+"""Tiny models built in code, with no download: a small causal LM of one of the model families verl's users train
+(Qwen2 by default; Llama, Mistral, Qwen3, Gemma 2 and 3, Phi-3, and the mixture-of-experts Qwen3-MoE and Mixtral),
+randomly initialised, and a byte-level BPE tokenizer with a chat template.
 
-They are saved with ``save_pretrained``, so they load through exactly the pipeline a user's Qwen2.5
-checkpoint takes (``ppoflow make-tiny-model OUT`` writes one).
+They are saved with ``save_pretrained``, so they load through exactly the pipeline a user's checkpoint of that family
+takes (``ppoflow make-tiny-model OUT [--family llama]`` writes one).
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from rl_core.data.synthetic import corpus
+from rl_core.models.families import FAMILIES
 
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 # Qwen's chat format, so that prompts look like a real instruct model's
@@ -43,21 +46,24 @@ def build_tokenizer(texts: Iterable[str], vocab_size: int = 320) -> PreTrainedTo
 
 
 def make_tiny_model(out_dir: str | Path, seed: int = 0, hidden_size: int = 64, num_layers: int = 2, max_operand: int = 20,
-                    **shape: int) -> Path:
-    """Write a randomly initialised Qwen2 causal LM + tokenizer to ``out_dir``; returns the folder. Tiny by default;
-    ``shape`` overrides other Qwen2Config sizes (``num_attention_heads``, ``intermediate_size``, ``vocab_size``: a
-    vocabulary larger than the tokenizer's gives a real model's output-layer cost; ids past the tokenizer decode to "")."""
+                    family: str = "qwen2", **shape: int) -> Path:
+    """Write a randomly initialised causal LM of ``family`` (see FAMILIES) + tokenizer to ``out_dir``; returns the folder.
+    Tiny by default; ``shape`` overrides other config sizes (``num_attention_heads``, ``intermediate_size``,
+    ``vocab_size``: a vocabulary larger than the tokenizer's gives a real model's output-layer cost; ids past the
+    tokenizer decode to "")."""
+    if family not in FAMILIES:
+        raise ValueError(f"family={family!r}: choose one of {', '.join(FAMILIES)}")
+    model_type, family_settings = FAMILIES[family]
     out = Path(out_dir)
     texts = [f"{IM_START}user\n{problem.split('=')[0]}={IM_END}\n{IM_START}assistant\n{problem.split('=')[1]}{IM_END}" for problem in corpus(max_operand)]
     tokenizer = build_tokenizer(texts + [ENGLISH])
     sizes = {"vocab_size": len(tokenizer), "intermediate_size": 4 * hidden_size, "num_attention_heads": 4, "num_key_value_heads": 2,
-             "max_position_embeddings": 256, **shape}
-    config = Qwen2Config(
-        hidden_size=hidden_size, num_hidden_layers=num_layers, tie_word_embeddings=True,
-        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **sizes,
-    )
+             "max_position_embeddings": 2048, **family_settings, **shape}
+    sizes.setdefault("head_dim", hidden_size // sizes["num_attention_heads"])
+    config = AutoConfig.for_model(model_type, hidden_size=hidden_size, num_hidden_layers=num_layers, tie_word_embeddings=True,
+                                  bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **sizes)
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out, safe_serialization=True)

@@ -80,14 +80,17 @@ def shard_module(module: torch.nn.Module, fsdp_config: Any = None, compute_dtype
     type; parameters gathered in ``compute_dtype``, gradients reduced in float32); the module itself otherwise."""
     if world_size() <= 1:
         return module
+    # the transformers model is the root, also under a peft wrapper: generate() and the LoRA paths call it directly,
+    # and FSDP2 needs its root's forward to run first
+    root = module.get_base_model() if hasattr(module, "get_base_model") else module
     device_type = next(module.parameters()).device.type
     kwargs: dict[str, Any] = {"mesh": init_device_mesh(device_type, (world_size(),)),
                               "mp_policy": MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)}
     if fsdp_config.param_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    for block in _blocks(module):
+    for block in _blocks(root):
         fully_shard(block, **kwargs)
-    fully_shard(module, **kwargs)
+    fully_shard(root, **kwargs)
     return module
 
 

@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from rl_core.batch import Batch
+from rl_core.batch_fields import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RAW_PROMPT, RESPONSE_MASK, RESPONSES, RM_SCORES
 from rl_core.device import on_worker_device
 from rl_core.models.loading import load_hf_config, load_tokenizer, local_model_path, torch_dtype
 from rl_core.workers.dispatch import DP_COMPUTE, ONE_TO_ALL, dispatch
@@ -48,11 +49,11 @@ class RewardModelWorker:
         return head(hidden[torch.arange(hidden.shape[0]), last]).squeeze(-1).float()
 
     def _retokenize(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        lengths = batch.tensors["response_mask"].sum(-1)
+        lengths = batch.tensors[RESPONSE_MASK].sum(-1)
         texts = []
         for i in range(len(batch)):
-            response = self.policy_tokenizer.decode(batch.tensors["responses"][i, : lengths[i]], skip_special_tokens=True)
-            prompt = batch.non_tensors["raw_prompt"][i]
+            response = self.policy_tokenizer.decode(batch.tensors[RESPONSES][i, : lengths[i]], skip_special_tokens=True)
+            prompt = batch.non_tensors[RAW_PROMPT][i]
             messages = ([{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)) + [{"role": "assistant", "content": response}]
             texts.append(self.tokenizer.apply_chat_template(messages, tokenize=False) if self.tokenizer.chat_template else
                          "\n".join(m["content"] for m in messages))
@@ -70,9 +71,9 @@ class RewardModelWorker:
                 input_ids, attention_mask = self._retokenize(micro)
                 scores.append(self._sequence_scores(input_ids, attention_mask, None))
             else:
-                scores.append(self._sequence_scores(micro.tensors["input_ids"], micro.tensors["attention_mask"], micro.tensors["position_ids"]))
-        response_mask = batch.tensors["response_mask"]
+                scores.append(self._sequence_scores(micro.tensors[INPUT_IDS], micro.tensors[ATTENTION_MASK], micro.tensors[POSITION_IDS]))
+        response_mask = batch.tensors[RESPONSE_MASK]
         last = (response_mask.sum(-1) - 1).clamp(min=0)
         rm_scores = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
         rm_scores[torch.arange(len(batch), device=last.device), last] = torch.cat(scores)
-        return Batch({"rm_scores": rm_scores})
+        return Batch({RM_SCORES: rm_scores})

@@ -74,7 +74,6 @@ def run_updates(
     the loss metrics that ``micro_loss`` reports as ``*_loss`` are summed over micros = the mini-batch loss).
     """
     module.train()
-    trainable = [p for p in module.parameters() if p.requires_grad]
     per_mini: dict[str, list[float]] = defaultdict(list)
     steps, skipped = 0, 0
     for epoch, mini in mini_batches(batch, mini_batch_size, epochs, shuffle, seed):
@@ -92,7 +91,8 @@ def run_updates(
             loss.backward()
             for key, value in metrics.items():
                 micro_metrics[key].append(value)
-        grad_norm = clip_grad_norm(trainable, grad_clip)
+        # the parameters are collected here, not once before the loop: FSDP2 replaces them at its first forward
+        grad_norm = clip_grad_norm([p for p in module.parameters() if p.requires_grad], grad_clip)
         if not math.isfinite(grad_norm):  # the norm is the group's: every rank skips this step together
             optimizer.zero_grad(set_to_none=True)
             skipped += 1

@@ -1,5 +1,5 @@
 """A trainable model's checkpoint as the workers write and read it: weights (gathered from the FSDP shards) in
-Hugging Face's safetensors layout, optimizer, LR scheduler and counters in ``state.safetensors``.
+Hugging Face's safetensors layout, optimizer, LR scheduler and counters in ``state.safetensors`` (TRAINING_STATE_FILE).
 
 Serialisation itself (safetensors files, no pickle) is :mod:`rl_core.checkpoint`.
 """
@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from rl_core.checkpoint import load_state, save_model_weights, save_state
+from rl_core.checkpoint import TRAINING_STATE_FILE, load_state, save_model_weights, save_state
 from rl_core.models.value_head import VALUE_HEAD_FILE, ValueHeadModel
 from rl_core.workers.data_parallel import world_size
 from rl_core.workers.fsdp import (
@@ -30,11 +30,14 @@ def load_model_weights(model: torch.nn.Module, folder: str | Path) -> None:
     folder = Path(folder)
     adapter = folder / "adapter_model.safetensors"
     if adapter.exists():
-        if world_size() > 1:
-            raise NotImplementedError(f"{adapter}: loading a LoRA adapter into a model sharded over {world_size()} ranks is not supported yet; resume on one rank")
+        adapter_state = load_file(str(adapter))
+        if world_size() > 1:  # sharded: load by the module's own names, scattered from rank 0
+            by_module_name = adapter_module_names(model, adapter_state)
+            load_full_model_state_dict(model, by_module_name)
+            return
         from peft import set_peft_model_state_dict
 
-        result = set_peft_model_state_dict(model, load_file(str(adapter)))
+        result = set_peft_model_state_dict(model, adapter_state)
         unexpected = getattr(result, "unexpected_keys", [])
         if unexpected:
             raise ValueError(f"{adapter} does not fit this model: unexpected keys {unexpected[:5]}")
@@ -55,6 +58,27 @@ def load_model_weights(model: torch.nn.Module, folder: str | Path) -> None:
         raise ValueError(f"{folder}: weights do not fit the model (missing {missing[:5]}, unexpected {unexpected[:5]})")
 
 
+def adapter_module_names(model: torch.nn.Module, adapter_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A saved LoRA adapter's tensors under the names the peft model's state dict gives them: peft saves
+    ``...q_proj.lora_A.weight`` for the module's ``...q_proj.lora_A.default.weight`` and ``...score.weight`` for a
+    trained head's ``...score.modules_to_save.default.weight``. Every saved tensor must find its place."""
+    adapter = model.active_adapter
+    mapped: dict[str, torch.Tensor] = {}
+    for name in model.state_dict():
+        if "lora_" in name:
+            saved = name.replace(f".{adapter}", "")
+        elif f".modules_to_save.{adapter}." in name:
+            saved = name.replace(f".modules_to_save.{adapter}", "")
+        else:
+            continue
+        if saved in adapter_state:
+            mapped[name] = adapter_state[saved]
+    placed = {name.replace(f".modules_to_save.{adapter}", "").replace(f".{adapter}", "") for name in mapped}
+    if placed != set(adapter_state):
+        raise ValueError(f"the LoRA adapter does not fit this model: {sorted(set(adapter_state) - placed)[:5]} have no place in it")
+    return mapped
+
+
 def save_trainable(folder: str | Path, module: torch.nn.Module, tokenizer: Any, optimizer: torch.optim.Optimizer,
                    lr_scheduler: Any, extra: dict[str, Any]) -> None:
     """A trainable model's checkpoint: weights in ``folder`` + optimizer, LR scheduler and ``extra`` in
@@ -65,7 +89,7 @@ def save_trainable(folder: str | Path, module: torch.nn.Module, tokenizer: Any, 
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         save_model_weights(module, tokenizer, folder, weights)
-        save_state({"optimizer": optimizer_state, "lr_scheduler": lr_scheduler.state_dict(), "extra": extra}, folder / "state.safetensors")
+        save_state({"optimizer": optimizer_state, "lr_scheduler": lr_scheduler.state_dict(), "extra": extra}, folder / TRAINING_STATE_FILE)
     if world_size() > 1:
         torch.distributed.barrier()
 
@@ -74,7 +98,7 @@ def load_trainable(folder: str | Path, module: torch.nn.Module, optimizer: torch
     """Restore what :func:`save_trainable` wrote (in place) and return its ``extra``. Every rank must call it."""
     folder = Path(folder)
     load_model_weights(module, folder)
-    state = load_state(folder / "state.safetensors")
+    state = load_state(folder / TRAINING_STATE_FILE)
     load_full_optimizer_state_dict(module, optimizer, state["optimizer"])
     lr_scheduler.load_state_dict(state["lr_scheduler"])
     return state["extra"]

@@ -134,6 +134,26 @@ def test_entropy_in_chunks_matches_a_plain_loop(chunk_size):
     assert torch.allclose(entropy, torch.tensor(expected), atol=1e-5)
 
 
+def test_chunks_recomputed_in_the_backward_pass_give_the_plain_gradient():
+    """Under autograd the chunks are checkpointed (their softmax is not kept): the entropy's and the log-probs' gradients
+    are still those of the plain, unchunked formulas."""
+    from rl_core.models.logprob import token_log_probs
+
+    logits = torch.randn(6, 5, 11, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    entropy_from_logits(logits, chunk_size=4).sum().backward()
+    chunked, logits.grad = logits.grad, None
+    probs = torch.softmax(logits, -1)
+    (torch.logsumexp(logits, -1) - (probs * logits).sum(-1)).sum().backward()
+    assert torch.allclose(chunked, logits.grad, atol=1e-6)
+    half = logits.detach().bfloat16().requires_grad_()
+    labels = torch.randint(0, 11, (6, 5), generator=torch.Generator().manual_seed(4))
+    token_log_probs(half, labels, chunk_size=7).sum().backward()
+    chunked = half.grad.float()
+    half.grad = None
+    torch.log_softmax(half.float(), -1).gather(-1, labels.unsqueeze(-1)).sum().backward()
+    assert torch.allclose(chunked, half.grad.float(), atol=1e-2)
+
+
 def test_entropy_of_uniform_and_one_hot():
     assert entropy_from_logits(torch.zeros(1, 8)).item() == pytest.approx(math.log(8), rel=1e-6)
     assert entropy_from_logits(torch.tensor([[0.0, -1e4, -1e4]])).item() == pytest.approx(0.0, abs=1e-6)

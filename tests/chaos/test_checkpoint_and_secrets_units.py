@@ -1,6 +1,7 @@
 """The pieces behind the probes, checked directly: checkpoint manifests, the folder lock, secret detection."""
 
 import json
+import os
 
 import pytest
 from omegaconf import OmegaConf
@@ -9,11 +10,11 @@ from flows.secrets import is_secret_key, redacted, split_secret_overrides
 from rl_core.step_checkpoint import CheckpointError, StepCheckpoints, damage
 
 
-def make_checkpoint(checkpoints: StepCheckpoints, step: int) -> None:
+def make_checkpoint(checkpoints: StepCheckpoints, step: int, run: str = "r") -> None:
     staging = checkpoints.staging_dir(step)
     (staging / "actor").mkdir()
     (staging / "actor" / "model.safetensors").write_bytes(bytes(range(256)) * 4)
-    checkpoints.commit(step, {"mlflow_run_id": "r"})
+    checkpoints.commit(step, {"mlflow_run_id": run})
 
 
 @pytest.mark.parametrize("harm, found", [
@@ -35,6 +36,39 @@ def test_damage_is_found_and_the_previous_checkpoint_used(tmp_path, harm, found)
     harm(checkpoints.step_dir(1))
     with pytest.raises(CheckpointError, match="every checkpoint in .* is damaged"):
         checkpoints.latest_intact()
+
+
+def test_a_crash_while_a_step_is_written_again_keeps_its_previous_folder(tmp_path, monkeypatch):
+    """Writing step 2 again: the old global_step_2 is set aside, not deleted, until the new one is in place; a crash in
+    between (simulated: the rename into place fails) leaves it to be put back, so the pointer never dangles."""
+    checkpoints = StepCheckpoints(tmp_path)
+    make_checkpoint(checkpoints, 1)
+    make_checkpoint(checkpoints, 2)
+    real_replace = os.replace
+
+    def crash_on_the_rename_into_place(source, target):
+        if str(source).endswith(".tmp_global_step_2"):
+            raise OSError("killed (simulated)")
+        return real_replace(source, target)
+
+    monkeypatch.setattr(os, "replace", crash_on_the_rename_into_place)
+    with pytest.raises(OSError, match="killed"):
+        make_checkpoint(checkpoints, 2)
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert not checkpoints.step_dir(2).exists()  # the crash left the old folder aside ...
+    assert StepCheckpoints(tmp_path).latest_intact() == (2, [])  # ... and the next run puts it back
+    assert not list(tmp_path.glob(".replaced_*"))
+
+
+def test_a_run_prunes_only_its_own_checkpoints(tmp_path):
+    """A second run in the same folder (resume_mode=disable) keeps the first run's checkpoints it does not overwrite."""
+    first = StepCheckpoints(tmp_path, max_to_keep=2)
+    for step in (1, 2, 3, 4):
+        make_checkpoint(first, step, run="first")
+    second = StepCheckpoints(tmp_path, max_to_keep=1)
+    for step in (1, 2):
+        make_checkpoint(second, step, run="second")
+    assert {step: second.run_of(step) for step in second.steps()} == {2: "second", 3: "first", 4: "first"}
 
 
 def test_one_holder_of_a_folder_at_a_time(tmp_path):

@@ -14,9 +14,13 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from flows.config import ConfigError
+from flows.prefect_view import one_line
 from flows.train import train
 from flows.workers import run_namespace
 from rl_core.algos import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+from rl_core.models.folder import ModelLoadError
+from rl_core.models.families import FAMILIES
+from rl_core.models.tiny import make_tiny_model
 from rl_core.step_checkpoint import StepCheckpoints
 from tests.flows.conftest import metric_history
 
@@ -40,6 +44,8 @@ def test_grpo_three_steps(run_overrides, tmp_path):
     assert run.data.tags["checkpoint/latest"].endswith("global_step_3")
     artifacts = {a.path for a in client.list_artifacts(result["run_id"])}
     assert {"config", "model", "samples"} <= artifacts
+    model_files = {Path(a.path).name for a in client.list_artifacts(result["run_id"], "model")}
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= model_files and "state.safetensors" not in model_files  # no optimizer state
     assert client.get_latest_versions("ppoflow-tiny")[0].run_id == result["run_id"]
     # the final checkpoint is a plain HF checkpoint
     model = AutoModelForCausalLM.from_pretrained(Path(result["checkpoint_dir"]) / "actor")
@@ -152,26 +158,47 @@ def test_dynamic_sampling_runs_in_the_flow(run_overrides):
 
 
 POLICY_LOSS_FOR = dict(itertools.zip_longest(sorted(ADVANTAGE_ESTIMATORS), sorted(POLICY_LOSSES), fillvalue="vanilla"))
+FAMILY_FOR = dict(zip(sorted(ADVANTAGE_ESTIMATORS), itertools.cycle(sorted(FAMILIES))))  # each estimator on a model family
+DIGIT_SHARE = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n" \
+              "    return sum(c.isdigit() for c in solution_str) / (len(solution_str) + 1)\n"
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("families")
+    return {family: make_tiny_model(folder / family, seed=0, family=family) for family in FAMILIES}
+
+
+def test_every_family_runs_in_the_flow():
+    assert set(FAMILY_FOR.values()) == set(FAMILIES)
 
 
 @pytest.mark.parametrize("estimator", sorted(ADVANTAGE_ESTIMATORS))
-def test_every_estimator_and_policy_loss_trains_two_steps(run_overrides, estimator):
-    loss_mode = POLICY_LOSS_FOR[estimator]
-    result = train(overrides=run_overrides(f"algorithm.adv_estimator={estimator}", f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}",
-                                 "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=-1"))
+def test_every_estimator_and_policy_loss_trains_two_steps(run_overrides, estimator, family_models, tmp_path):
+    """Each estimator with a policy loss, on a tiny random model of one of the families (the demo profile's settings),
+    scored by the share of digits in a response (a random model's samples differ in it)."""
+    loss_mode, family = POLICY_LOSS_FOR[estimator], FAMILY_FOR[estimator]
+    reward = tmp_path / "digit_share.py"
+    reward.write_text(DIGIT_SHARE)
+    result = train(overrides=run_overrides("+profile=demo", f"actor_rollout_ref.model.path={family_models[family]}",
+                                           f"custom_reward_function.path={reward}", f"algorithm.adv_estimator={estimator}",
+                                           f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}", "trainer.total_training_steps=2",
+                                           "trainer.val_before_train=false", "trainer.test_freq=-1"))
     history = metric_history(result["tracking_uri"], result["run_id"])
     assert sorted(history["actor/pg_loss"]) == [1, 2]
     assert all(math.isfinite(v[0]) for v in history["actor/pg_loss"].values())
+    assert any(v[0] != 0 for v in history["critic/advantages/max"].values())  # the scores differ: something to learn from
     params = MlflowClient(result["tracking_uri"]).get_run(result["run_id"]).data.params
     assert (params["algorithm.adv_estimator"], params["actor_rollout_ref.actor.policy_loss.loss_mode"]) == (estimator, loss_mode)
     assert ("critic/vf_loss" in history) == (estimator == "gae")
+    assert AutoModelForCausalLM.from_pretrained(Path(result["checkpoint_dir"]) / "actor").config.model_type == FAMILIES[family][0]
 
 
 def test_reward_model_lora_critic_warmup_and_resume_from_a_path(run_overrides, tmp_path, tiny_model_path):
     rm_path = tmp_path / "rm"
     AutoModelForSequenceClassification.from_pretrained(tiny_model_path, num_labels=1).save_pretrained(rm_path)
     AutoTokenizer.from_pretrained(tiny_model_path).save_pretrained(rm_path)
-    settings = (f"actor_rollout_ref.model.path={tiny_model_path}", "reward_model.enable=true", f"reward_model.model.path={rm_path}",
+    settings = ("+profile=demo", f"actor_rollout_ref.model.path={tiny_model_path}", "reward_model.enable=true", f"reward_model.model.path={rm_path}",
                 "actor_rollout_ref.model.lora_rank=4", "algorithm.adv_estimator=gae", "trainer.critic_warmup=2",
                 "trainer.val_before_train=false", "trainer.test_freq=2")
     first = train(overrides=run_overrides("trainer.total_training_steps=2", *settings))
@@ -189,9 +216,13 @@ def test_reward_model_lora_critic_warmup_and_resume_from_a_path(run_overrides, t
 
 
 def test_a_failure_while_setting_up_marks_the_run_failed_and_frees_the_workers(run_overrides, tmp_path):
-    """The workers start, then loading the model fails on them: nothing of this run may stay RUNNING or alive."""
-    with pytest.raises(Exception, match="lora_adapter_path|no-such-adapter"):
+    """The workers start, then loading the model fails on them: nothing of this run may stay RUNNING or alive. The error
+    is the worker's own (its type and message, the stage and the worker noted), not Ray's wrapper."""
+    with pytest.raises(ModelLoadError, match="lora_adapter_path='/no-such-adapter'") as raised:
         train(overrides=run_overrides("actor_rollout_ref.model.lora_adapter_path=/no-such-adapter"))
+    assert type(raised.value) is ModelLoadError
+    assert one_line(raised.value).startswith("ModelLoadError: model.lora_adapter_path='/no-such-adapter': no adapter_config.json")
+    assert one_line(raised.value).endswith("(raised in stage 'init actor_rollout_ref' by worker workers-rank0)")
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     (run,) = client.search_runs([client.get_experiment_by_name("ppoflow").experiment_id])
     assert run.info.status == "FAILED" and "no-such-adapter" in run.data.tags["ppoflow.error"]

@@ -2,6 +2,7 @@
 critic and reference policy live fused in one process."""
 
 import copy
+from collections import Counter
 
 import pytest
 import torch
@@ -10,7 +11,12 @@ from safetensors.torch import load_file
 from flows.workers import weights_at
 from infra.resource_pool import ResourcePool
 from infra.worker_group import WorkerGroup
+from rl_core.algos.kl import get_kl_controller
 from rl_core.batch import Batch
+from rl_core.data.sampler import ResumableSampler
+from rl_core.models.loading import load_tokenizer
+from rl_core.ppo_step import StepWorkers, generate, run_ppo_step, run_validation
+from rl_core.reward.manager import build_reward_manager
 from rl_core.workers import ActorRolloutRefWorker, CriticWorker
 from rl_core.workers.train_loop import NonFiniteError
 from tests.rl_core.helpers import addition_dataset, assert_same_adam_step
@@ -24,7 +30,7 @@ def fixed_batch(tmp_path, config):
     local.init_model()
     prompts = addition_dataset(tmp_path, local.tokenizer, config.data, count=8).collate([0, 1, 2, 3], "fix-")
     prompts.meta_info["global_step"] = 1
-    batch = local.generate_sequences(prompts)
+    batch = local.generate_sequences(prompts.repeat_interleave(config.actor_rollout_ref.rollout.n))
     batch.union(Batch(local.compute_log_prob(batch).tensors))
     batch.union(Batch(local.compute_ref_log_prob(batch).tensors))
     batch.tensors["advantages"] = torch.randn(len(batch), 1, generator=torch.Generator().manual_seed(0)) * batch.tensors["response_mask"]
@@ -52,7 +58,7 @@ def test_one_and_two_ranks_give_the_same_update(ray_address, worker_env, fixed_b
             # a batch size that does not divide by the world size: padded for dispatch, unpadded on collect
             odd = fixed_batch[list(range(7))]
             log_probs = actor.compute_log_prob(odd).tensors["old_log_probs"]
-            metrics = actor.update_actor(fixed_batch).meta_info["metrics"]
+            metrics = actor.update_actor(fixed_batch)
             actor.save_checkpoint(str(tmp_path / f"world{world}"))
             results[world] = (log_probs, metrics, load_file(str(tmp_path / f"world{world}" / "model.safetensors")))
         finally:
@@ -109,9 +115,9 @@ def test_actor_critic_and_ref_fused_in_one_process(ray_address, worker_env, fixe
         assert torch.allclose(ref[mask], batch.tensors["ref_log_prob"][mask], atol=1e-5)
         at_start = {"worker_steps": {"actor_rollout_ref": 0, "critic": 0}}
         assert weights_at(group, at_start, timeout=30)  # a checkpoint taken now would need no reload
-        assert "critic/vf_loss" in critic.update_critic(batch).meta_info["metrics"]
+        assert "critic/vf_loss" in critic.update_critic(batch)
         assert not weights_at(group, at_start, timeout=30)  # the critic moved past it
-        assert "actor/pg_loss" in actor.update_actor(batch).meta_info["metrics"]
+        assert "actor/pg_loss" in actor.update_actor(batch)
         report = group.health()[0]
         assert report["steps_trained"] == report["updates_started"] == {"actor_rollout_ref": 1, "critic": 1}
         assert weights_at(group, {"worker_steps": {"actor_rollout_ref": 1, "critic": 1}}, timeout=30)
@@ -132,7 +138,7 @@ def test_a_batch_that_does_not_divide_over_the_ranks_gives_the_one_rank_update(r
         group = actor_group(config, world, f"uneven{world}", worker_env)
         try:
             actor = group.role("actor_rollout_ref")
-            metrics = actor.update_actor(odd).meta_info["metrics"]
+            metrics = actor.update_actor(odd)
             actor.save_checkpoint(str(tmp_path / f"world{world}"))
             results[world] = (metrics, load_file(str(tmp_path / f"world{world}" / "model.safetensors")))
             if world == 2:  # a NaN loss on rank 1 only: both ranks stop at once, none waits in a collective
@@ -146,3 +152,30 @@ def test_a_batch_that_does_not_divide_over_the_ranks_gives_the_one_rank_update(r
     for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):  # a padded row with weight would move these by ~1/15
         assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
     assert_same_adam_step(w1, w2, config.actor_rollout_ref.actor.optim.lr)  # 2 ranks sum in another order than 1
+
+
+def test_a_batch_of_prompts_that_does_not_divide_over_two_ranks_keeps_n_samples_per_prompt(ray_address, worker_env, config, tmp_path):
+    """3 prompts on 2 ranks with n=4: exactly 12 responses, 4 per prompt; GRPO and ReMax (its greedy baseline is one
+    row per prompt) train on such a batch, and validation with 4 samples per prompt scores 4 per prompt."""
+    config.data.train_batch_size = 3
+    config.actor_rollout_ref.actor.ppo_mini_batch_size = 3
+    config.actor_rollout_ref.actor.optim.total_training_steps = 2
+    group = actor_group(config, 2, "uneven-prompts", worker_env)
+    try:
+        workers = StepWorkers(actor=group.role("actor_rollout_ref"), world_size=2)
+        data = addition_dataset(tmp_path, load_tokenizer(config.actor_rollout_ref.model.path), config.data, count=6)
+        sequences = generate(workers, data.collate([0, 1, 2], "p-"), 4)
+        assert len(sequences) == 12 and Counter(sequences.non_tensors["uid"]) == {"p-0": 4, "p-1": 4, "p-2": 4}
+        sampler = ResumableSampler(len(data), 3, shuffle=False)
+        reward, kl = build_reward_manager(config, load_tokenizer(config.actor_rollout_ref.model.path)), get_kl_controller(config.algorithm.kl_ctrl)
+        for step, estimator in enumerate(("grpo", "remax"), start=1):
+            config.algorithm.adv_estimator = estimator
+            batch, metrics = run_ppo_step(config, workers, data, sampler, reward, kl, step)
+            assert len(batch) == 12 and set(Counter(batch.non_tensors["uid"]).values()) == {4}, estimator
+            assert "actor/pg_loss" in metrics
+        assert batch.tensors["reward_baselines"].shape == (12,)
+        val_kwargs = {**config.actor_rollout_ref.rollout.val_kwargs, "n": 4, "do_sample": True, "temperature": 1.0}
+        metrics = run_validation(config, workers, data, reward, val_kwargs=val_kwargs)
+        assert "val-core/ppoflow/addition/acc/pass@4" in metrics
+    finally:
+        group.kill()

@@ -82,8 +82,7 @@ class VLLMRolloutEngine:
 
     # ------------------------------------------------------------------ weights and memory
     def _load_weights(self) -> None:
-        weights = list(inference_weights(self.model, self.compute_dtype))
-        self.llm.collective_rpc("load_actor_weights", args=(weights,))
+        self.llm.collective_rpc("load_actor_weights", args=(inference_weights(self.model, self.compute_dtype),))
 
     def _wake_with_weights_of(self, step: int | None) -> None:
         if self.sleeps:

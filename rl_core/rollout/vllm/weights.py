@@ -7,9 +7,13 @@ undone here without touching the module:
 * a peft wrapper prefixes every name with ``base_model.model.`` and stores a LoRA layer's frozen weight as
   ``<layer>.base_layer.weight`` next to ``lora_A`` / ``lora_B``: the engine gets ``<layer>.weight`` =
   W + scaling * B @ A (the merged weight the policy computes with) and no adapter tensors;
-* under FSDP2 the parameters are DTensors (shards): each is gathered whole (the worker calls this inside
-  ``full_parameters``, where they are already unsharded, so this is then a no-op);
-* the module's own dtype may be float32 master weights: tensors are cast to the engine's ``dtype``.
+* under FSDP2 the parameters are DTensors (shards): each is gathered whole. The worker calls this inside
+  ``full_parameters``, where the module's parameters are the unsharded ones: reading them (``named_parameters``,
+  not ``state_dict``, whose FSDP2 hook would gather every tensor again) costs nothing;
+* the module's own dtype may be float32 master weights: tensors are cast to the engine's ``dtype``, one at a time as
+  the engine takes them (a generator: no second full copy of the model is held).
+
+Buffers are not sent: an LLM's persistent buffers (if any) are not weights vLLM loads.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ def checkpoint_name(name: str) -> str | None:
 def inference_weights(module: torch.nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(checkpoint name, tensor) for every weight of ``module``, LoRA merged, gathered, cast to ``dtype``."""
     deltas = _lora_deltas(module) if hasattr(module, "peft_config") else {}
-    for name, tensor in module.state_dict().items():
+    for name, tensor in module.named_parameters():
         target = checkpoint_name(name)
         if target is None:
             continue

@@ -9,11 +9,21 @@ doc of :mod:`rl_core.rollout.vllm`).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 
 class ActorWeightLoader:
-    def load_actor_weights(self, weights: list[tuple[str, Any]]) -> int:
-        """Load Hugging Face-named weights into the engine's model; returns how many tensors were given."""
-        self.model_runner.model.load_weights(weights=weights)  # type: ignore[attr-defined]
-        return len(weights)
+    def load_actor_weights(self, weights: Iterable[tuple[str, Any]]) -> int:
+        """Load Hugging Face-named weights (an iterable, consumed once) into the engine's model; returns how many
+        tensors were given."""
+        count = 0
+
+        def counted() -> Iterator[tuple[str, Any]]:
+            nonlocal count
+            for item in weights:
+                count += 1
+                yield item
+
+        self.model_runner.model.load_weights(weights=counted())  # type: ignore[attr-defined]
+        return count
