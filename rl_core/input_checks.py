@@ -59,7 +59,7 @@ def model_problems(config: Any) -> list[str]:
     folders = [("actor_rollout_ref.model.path", model.path, True, not model.tokenizer_path)]
     if model.tokenizer_path:
         folders.append(("actor_rollout_ref.model.tokenizer_path", model.tokenizer_path, False, True))
-    if use_critic(config):
+    if use_critic(config) and config.critic.model.path != model.path:  # the policy's folder is checked once
         folders.append(("critic.model.path", config.critic.model.path, True, False))
     if config.reward_model.enable:
         folders.append(("reward_model.model.path", config.reward_model.model.path, True, False))

@@ -44,7 +44,7 @@ from rl_core.models.optim import build_lr_scheduler, build_optimizer
 from rl_core.rollout import build_rollout_engine
 from rl_core.workers.dispatch import DP_COMPUTE, ONE_TO_ALL, dispatch
 from rl_core.workers.fsdp import full_parameters, optimizer_state_on_device, shard_module
-from rl_core.workers.trainable_state import load_trainable, save_trainable
+from rl_core.workers.trainable_state import load_model_weights, load_trainable, save_trainable
 from rl_core.workers.data_parallel import global_sum
 from rl_core.workers.train_loop import local_mini_batch_size, run_updates
 
@@ -243,6 +243,12 @@ class ActorRolloutRefWorker:
         """Weights (HF safetensors layout, or the LoRA adapter) in ``folder``; optimizer, scheduler, RNG in state.safetensors."""
         self._require(self.is_actor, "save_checkpoint", "actor")
         save_trainable(folder, self.module, self.tokenizer, self.optimizer, self.lr_scheduler, {"rng": rng_state(), "steps_trained": self.steps_trained})
+
+    @dispatch(ONE_TO_ALL)
+    def load_weights(self, folder: str | Path) -> None:
+        """The policy's weights only (a full model or a LoRA adapter, e.g. a registered model without training state)."""
+        self._require(self.is_actor or self.is_rollout, "load_weights", "actor or rollout")
+        load_model_weights(self.module, folder)
 
     @dispatch(ONE_TO_ALL)
     def load_checkpoint(self, folder: str | Path) -> None:

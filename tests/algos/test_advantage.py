@@ -79,6 +79,15 @@ def test_gpg_by_hand():
     close(adv, [[1.0], [-1.0], [-1.0], [1.0]])
 
 
+def test_reinforce_plus_plus_carries_the_return_over_masked_tokens_as_verl_does():
+    """An interior mask (tool output in a multi-turn response): verl 0.9.1 carries the running return past masked tokens
+    (it does not reset it), so the reward at the end reaches the policy's first turn. gamma 0.5, reward 1 on the last token."""
+    rewards = torch.tensor([[0.0, 0.0, 0.0, 1.0]])
+    mask = torch.tensor([[1.0, 0.0, 1.0, 1.0]])
+    _, returns = call_adv_estimator("reinforce_plus_plus", token_level_rewards=rewards, response_mask=mask, gamma=0.5)
+    assert returns.tolist() == [[0.25, 0.0, 0.5, 1.0]]
+
+
 def test_passk_rejects_single_sample_groups():
     with pytest.raises(ValueError, match="at least 2 samples per group"):
         get_adv_estimator_fn("grpo_passk")(token_level_rewards=torch.ones(3, 1), response_mask=torch.ones(3, 1), index=["a", "a", "b"])

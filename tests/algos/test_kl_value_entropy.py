@@ -134,6 +134,16 @@ def test_entropy_in_chunks_matches_a_plain_loop(chunk_size):
     assert torch.allclose(entropy, torch.tensor(expected), atol=1e-5)
 
 
+def test_seq_mean_token_sum_norm_is_verl_091s_by_hand():
+    """verl 0.9.1: the sum of each sequence's token losses, averaged over the (global) non-empty sequences, divided by
+    the response length T (Dr.GRPO's constant). Two sequences, T = 4, one of them empty: (1 + 2 + 3) / 1 / 4."""
+    losses = torch.tensor([[1.0, 2.0, 3.0, 9.0], [5.0, 5.0, 5.0, 5.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    assert agg_loss(losses, mask, "seq-mean-token-sum-norm").item() == pytest.approx(6.0 / 1 / 4)
+    # two ranks, each holding one of two non-empty sequences: scaled by dp_size, the ranks' mean is the global loss
+    assert agg_loss(losses[:1], mask[:1], "seq-mean-token-sum-norm", dp_size=2, global_batch_size=2).item() == pytest.approx(6.0 / 2 / 4 * 2)
+
+
 def test_chunks_recomputed_in_the_backward_pass_give_the_plain_gradient():
     """Under autograd the chunks are checkpointed (their softmax is not kept): the entropy's and the log-probs' gradients
     are still those of the plain, unchunked formulas."""

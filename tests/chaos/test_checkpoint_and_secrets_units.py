@@ -135,3 +135,13 @@ def test_sigkill_during_checkpoint_writes_always_leaves_one_to_resume_from(tmp_p
         assert checkpoints.trainer_state(checkpoints.step_dir(step))["global_step"] == step
         resumed_from = step + 1
     assert resumed_from > 8
+
+
+def test_an_evaluation_needs_the_secrets_its_training_runs_config_hides():
+    """The stored config has ***: evaluating with it would send *** to the reward function (scoring 0 with on_error=zero)."""
+    from flows.evaluate import EvaluationSourceError, check_no_redacted_values
+
+    stored = redacted(OmegaConf.create({"custom_reward_function": {"reward_kwargs": {"api_key": "sk-abcdefghijklmnopqrstuv"}}}))
+    with pytest.raises(EvaluationSourceError, match=r"custom_reward_function.reward_kwargs.api_key = '\*\*\*'.*pass them again"):
+        check_no_redacted_values(stored)
+    check_no_redacted_values(OmegaConf.create({"custom_reward_function": {"reward_kwargs": {"api_key": "given-again"}}}))

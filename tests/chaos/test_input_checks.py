@@ -115,7 +115,8 @@ def test_ppoflow_train_refuses_them_before_starting_anything(tmp_path, data_file
                              f"data.val_files={tmp_path}/missing.jsonl", f"actor_rollout_ref.model.path={tmp_path}"],
                             capture_output=True, text=True, cwd=ROOT, timeout=120, env={"PATH": "/usr/bin:/bin", "PPOFLOW_HOME": str(tmp_path)})
     assert result.returncode == 2, result.stdout + result.stderr
-    assert result.stderr.splitlines() == ["ppoflow train: data.train_batch_size=32 is larger than the 12 rows of data.train_files: lower it or give more data",
+    assert result.stderr.splitlines() == ["ppoflow train: data.train_batch_size=1024 is larger than the 12 rows of data.train_files: lower it "
+                                          "or give more data",
                                           f"ppoflow train: data.val_files: {tmp_path}/missing.jsonl: no such dataset file",
                                           f"ppoflow train: actor_rollout_ref.model.path={str(tmp_path)!r} has no config.json; it is not a "
                                           "Hugging Face checkpoint folder"]

@@ -70,6 +70,7 @@ def test_code_takes_its_defaults_from_the_schema():
     ("actor_rollout_ref.actor.strategy=megatron", "actor_rollout_ref.actor.strategy='megatron': choose one of fsdp, fsdp2"),
     ("actor_rollout_ref.hybrid_engine=false", "only the hybrid engine"),
     ("actor_rollout_ref.actor.ppo_mini_batch_size=64", "cannot be larger than the step's batch"),
+    ("actor_rollout_ref.actor.clip_ratio_c=1.0", "actor_rollout_ref.actor.clip_ratio_c=1.0: the dual-clip bound must be greater than 1"),
 ])
 def test_bad_values_are_refused_naming_the_key(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

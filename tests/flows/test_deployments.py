@@ -82,8 +82,10 @@ def test_the_deployments_and_their_forms(served):
     schema = train.parameter_openapi_schema
     assert list(schema["properties"]) == ["settings", "overrides", "tags"]
     form = schema["definitions"]["TrainSettings"]["properties"]
-    assert form["batch_size"]["exclusiveMinimum"] == 0 and "data.train_batch_size" in form["batch_size"]["description"]
-    assert "grpo" in form["algorithm"]["enum"] and form["algorithm"]["default"] == "grpo"
+    batch_size = next(option for option in form["batch_size"]["anyOf"] if option.get("type") == "integer")
+    assert batch_size["exclusiveMinimum"] == 0 and "data.train_batch_size" in form["batch_size"]["description"]
+    algorithms = next(option["enum"] for option in form["algorithm"]["anyOf"] if "enum" in option)
+    assert "grpo" in algorithms and form["algorithm"]["default"] is None  # empty: the config's (the demo profile's grpo here)
     assert train.concurrency_limit == 1 or train.global_concurrency_limit.limit == 1  # one training run at a time
     sweep = found["sweep"]
     assert [s.schedule.cron for s in sweep.schedules] == [CRON]

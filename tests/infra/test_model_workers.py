@@ -174,8 +174,10 @@ def test_a_batch_of_prompts_that_does_not_divide_over_two_ranks_keeps_n_samples_
             assert len(batch) == 12 and set(Counter(batch.non_tensors["uid"]).values()) == {4}, estimator
             assert "actor/pg_loss" in metrics
         assert batch.tensors["reward_baselines"].shape == (12,)
+        odd = addition_dataset(tmp_path, load_tokenizer(config.actor_rollout_ref.model.path), config.data, count=5, split="val")
+        assert len(generate(workers, odd.collate(list(range(5)), "v-"), 1)) == 5  # 5 rows on 2 ranks: one padding row, removed
         val_kwargs = {**config.actor_rollout_ref.rollout.val_kwargs, "n": 4, "do_sample": True, "temperature": 1.0}
-        metrics = run_validation(config, workers, data, reward, val_kwargs=val_kwargs)
+        metrics = run_validation(config, workers, odd, reward, val_kwargs=val_kwargs)  # 20 rows: 4 per prompt
         assert "val-core/ppoflow/addition/acc/pass@4" in metrics
     finally:
         group.kill()

@@ -16,3 +16,9 @@ def assert_same_adam_step(weights_a, weights_b, lr, atol=1e-5):
     differing = sum(int((weights_a[name] - weights_b[name]).abs().gt(atol).sum()) for name in weights_a)
     assert differing <= 1e-4 * sum(w.numel() for w in weights_a.values()), differing
     assert all(float((weights_a[name] - weights_b[name]).abs().max()) <= 2.5 * lr for name in weights_a)
+
+
+def checkpoints_activations(model) -> bool:
+    """Whether gradient (activation) checkpointing is on, under the name this transformers release gives it."""
+    flag = getattr(type(model), "is_activation_checkpointing", None)
+    return bool(model.is_activation_checkpointing if flag is not None else model.is_gradient_checkpointing)

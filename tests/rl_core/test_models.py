@@ -15,6 +15,7 @@ from rl_core.models.loading import ModelLoadError, load_hf_config, load_policy_m
 from rl_core.models.lora import adapter_disabled, apply_lora
 from rl_core.models.optim import build_lr_scheduler, build_optimizer, lr_multiplier
 from rl_core.models.value_head import ValueHeadModel, load_critic_model
+from tests.rl_core.helpers import checkpoints_activations
 
 
 def test_make_tiny_model_cli_writes_a_checkpoint_that_loads_like_qwen25(tmp_path):
@@ -27,9 +28,9 @@ def test_make_tiny_model_cli_writes_a_checkpoint_that_loads_like_qwen25(tmp_path
     model, tokenizer = load_policy_model(ModelConfig(path=str(out), dtype="float32", override_config={"attention_dropout": 0.0},
                                                      enable_gradient_checkpointing=False))
     assert isinstance(model, Qwen2ForCausalLM) and tokenizer.padding_side == "left"
-    assert model.config.attention_dropout == 0.0 and not model.is_activation_checkpointing
+    assert model.config.attention_dropout == 0.0 and not checkpoints_activations(model)
     checkpointed, _ = load_policy_model(ModelConfig(path=str(out), enable_gradient_checkpointing=True))
-    assert checkpointed.is_activation_checkpointing
+    assert checkpoints_activations(checkpointed)
     assert tokenizer.chat_template and tokenizer.eos_token == "<|im_end|>"
     reference = AutoModelForCausalLM.from_pretrained(out)
     for (name, a), (_, b) in zip(model.state_dict().items(), reference.state_dict().items()):
@@ -102,6 +103,8 @@ def test_critic_falls_back_to_a_value_head(tiny_model_path, tmp_path):
     values = critic(input_ids=torch.tensor([[1, 2, 3]])).logits[..., 0]
     assert values.shape == (1, 3)
     critic.save_pretrained(tmp_path / "saved")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):  # as a worker's checkpoint holds them
+        shutil.copy(tiny_model_path / name, tmp_path / "saved" / name)
     reloaded, _ = load_critic_model(ModelConfig(path=str(tmp_path / "saved")))
     assert isinstance(reloaded, ValueHeadModel)
     assert torch.allclose(reloaded(input_ids=torch.tensor([[1, 2, 3]])).logits, critic(input_ids=torch.tensor([[1, 2, 3]])).logits)

@@ -2,6 +2,8 @@
 LoRA references, checkpoints, the reward model."""
 
 import copy
+import json
+import shutil
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from rl_core.algos.kl import get_kl_controller
 from rl_core.algos.masked import masked_mean
 from rl_core.batch import Batch
 from rl_core.models.loading import load_tokenizer
+from rl_core.models.logprob import response_log_probs
 from rl_core.data.sampler import ResumableSampler
 from rl_core.ppo_step import StepWorkers, run_ppo_step, run_validation, use_critic, use_reference
 from rl_core.reward.manager import RewardManager, build_reward_manager
@@ -369,3 +372,40 @@ def test_a_step_without_the_old_log_prob_pass(tmp_path, config):
     batch, metrics = run_ppo_step(config, StepWorkers(actor), *step_inputs(tmp_path, actor, config), step=1)
     assert "timing_s/old_log_prob" not in metrics and "old_log_probs" not in batch
     assert metrics["actor/entropy"] > 0 and metrics["actor/pg_clipfrac"] == 0.0  # on-policy: the ratio is exactly 1
+
+
+def test_a_checkpoints_dropout_is_off_so_the_first_ratio_is_exactly_one(tmp_path, config, tiny_model_path):
+    """A checkpoint whose config sets attention dropout 0.5: loaded with dropout off (and said so), the update's own
+    forward pass gives the old log-probs exactly: no clipping, no KL on the first mini-batch."""
+    folder = tmp_path / "dropout"
+    shutil.copytree(tiny_model_path, folder)
+    hf_config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**hf_config, "attention_dropout": 0.5}))
+    config.actor_rollout_ref.model.path = str(folder)
+    config.actor_rollout_ref.actor.ppo_mini_batch_size = config.data.train_batch_size  # one mini-batch: one step from the old policy
+    actor = ActorRolloutRefWorker(config.actor_rollout_ref, "actor_rollout_ref")
+    notes = actor.init_model()
+    assert any("dropout turned off for RL (attention_dropout=0.5 -> 0)" in note for note in notes)
+    metrics = actor.update_actor(fixed_batch(actor, tmp_path, config))
+    assert abs(metrics["actor/ppo_kl"]) < 1e-6 and metrics["actor/pg_clipfrac"] == 0.0  # with dropout 0.5: ~0.1 and more
+    config.actor_rollout_ref.model.override_config = {"attention_dropout": 0.5}  # asked for: kept
+    kept = ActorRolloutRefWorker(config.actor_rollout_ref, "actor_rollout_ref")
+    kept.init_model()
+    assert kept.module.config.attention_dropout == 0.5
+
+
+def test_a_model_whose_packed_rows_attend_to_each_other_falls_back_to_padded_batches(tmp_path, config, monkeypatch):
+    """Attention that ignores transformers' packed-sequence detection (remote code, a custom kernel): the check at load
+    finds it, says so, and the worker uses padded batches, whose log-probs are right."""
+    import transformers.masking_utils
+
+    monkeypatch.setattr(transformers.masking_utils, "find_packed_sequence_indices", lambda *args, **kwargs: None)
+    actor = ActorRolloutRefWorker(config.actor_rollout_ref, "actor_rollout_ref")
+    notes = actor.init_model()
+    assert not actor.remove_padding and any("padding-free forward of Qwen2ForCausalLM disagrees" in note for note in notes)
+    batch = fixed_batch(actor, tmp_path, config)
+    with torch.no_grad():
+        padded, _ = response_log_probs(actor.module, *[batch.tensors[k] for k in ("input_ids", "attention_mask", "position_ids")],
+                                       batch.tensors["responses"].shape[1], remove_padding=False)
+    mask = batch.tensors["response_mask"].bool()
+    assert torch.allclose(batch.tensors["old_log_probs"][mask], padded[mask], atol=1e-6)
