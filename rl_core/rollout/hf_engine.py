@@ -113,6 +113,11 @@ class HFRolloutEngine:
                 max_new_tokens=self.response_length,
                 min_new_tokens=0,
                 do_sample=params.do_sample,
+                # generate's own temperature / top-k / top-p stay neutral (unset, it would take top_k=50 from its
+                # global defaults): the processors below apply the rollout's, before the recorder
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
                 eos_token_id=self.stop_token_ids,
                 pad_token_id=self.pad_token_id,
                 use_cache=True,

@@ -93,6 +93,23 @@ def test_sampling_is_seeded_by_global_step_and_greedy_validation_is_repeatable(p
     assert torch.equal(greedy.tensors["responses"], chunked.tensors["responses"])
 
 
+def test_sampling_draws_from_the_whole_distribution(policy, prompts, config):
+    """With top_k=-1 and top_p=1 nothing truncates the distribution (transformers' generate would apply top_k=50 from its
+    global defaults if left unset): on the random tiny model (320 tokens, close to uniform) most sampled tokens rank
+    beyond the top 50, and each one's rank is spread over the vocabulary."""
+    model, tokenizer = policy
+    rollout = config.actor_rollout_ref.rollout
+    rollout.top_k, rollout.top_p = -1, 1.0
+    out = build_rollout_engine("hf", model=model, tokenizer=tokenizer, rollout_config=rollout).generate_sequences(prompts.repeat_interleave(8))
+    mask = out.tensors["response_mask"].bool()
+    with torch.no_grad():
+        logits = model(input_ids=out.tensors["input_ids"], attention_mask=out.tensors["attention_mask"],
+                       position_ids=out.tensors["position_ids"]).logits[:, -mask.shape[1] - 1: -1]
+    sampled = logits.gather(-1, out.tensors["responses"].unsqueeze(-1))
+    ranks = (logits > sampled).sum(-1)[mask]
+    assert (ranks >= 50).float().mean() > 0.5, ranks.tolist()
+
+
 @pytest.mark.parametrize("top_k, top_p", [(-1, 1.0), (5, 1.0), (-1, 0.9)])
 def test_rollout_log_probs_are_the_sampled_distributions(policy, prompts, config, top_k, top_p):
     """Without truncation they equal ppoflow's recomputed old log-probs at the temperature; with top-k / top-p they
