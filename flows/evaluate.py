@@ -31,7 +31,7 @@ from flows.config import compose_config
 from flows.demo import apply_embedded_defaults
 from flows.prefect_view import PrefectRunView, mlflow_run_url, one_line
 from flows.secrets import REDACTED, redacted_keys
-from flows.tracking import RunTracker, tracking_uri
+from flows.tracking import RunTracker, open_store, tracking_uri
 from flows.workers import build_workers, step_workers
 from infra.cluster import connect
 from rl_core.data.dataset import RLDataset
@@ -91,7 +91,7 @@ def run_evaluation(source: str, overrides: list[str] | None = None, samples: int
     """Everything the evaluate flow does (see the module doc); returns the run id, source and metrics."""
     if samples < 1 or not temperature > 0:
         raise ValueError(f"samples={samples}, temperature={temperature}: need samples >= 1 and temperature > 0")
-    client = MlflowClient(tracking_uri(compose_config(overrides)))
+    client = open_store(tracking_uri(compose_config(overrides)))
     downloads = tempfile.TemporaryDirectory(prefix="ppoflow-eval-")
     try:
         actor_folder, source_run_id, step = resolve_source(source, client, Path(downloads.name))

@@ -42,7 +42,7 @@ from prefect.deployments import run_deployment
 from flows.config import ConfigError, compose_config
 from flows.parameters import hydra_value
 from flows.prefect_view import PrefectRunView, mlflow_run_url, one_line
-from flows.tracking import experiment_id, metric_key, tracking_uri
+from flows.tracking import experiment_id, metric_key, open_store, tracking_uri
 from flows.train import train
 
 TRAIN_DEPLOYMENT = "ppoflow-train/train"
@@ -162,7 +162,7 @@ class ParentRun:
     """The sweep's MLflow parent run (the existing one of the same name, when there is one) and its children."""
 
     def __init__(self, config: DictConfig, name: str, settings: dict[str, Any]):
-        self.client = MlflowClient(tracking_uri(config))
+        self.client = open_store(tracking_uri(config))
         self.uri = tracking_uri(config)
         self.experiment_id = experiment_id(self.client, config)
         self.name = name

@@ -48,15 +48,17 @@ def tracking_uri(config: DictConfig) -> str:
 
 
 def open_store(uri: str) -> MlflowClient:
-    """A client of the store at ``uri``. A new SQLite store is created (its schema migrated) under a file lock, so
-    that two runs starting at once on a fresh ``mlflow.db`` do not both migrate it."""
-    client = MlflowClient(uri)
-    if uri.startswith("sqlite:///"):
-        lock_path = Path(uri.removeprefix("sqlite:///")).expanduser().resolve().with_suffix(".db.lock")
-        lock_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(lock_path, "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            client.search_experiments(max_results=1)
+    """A client of the store at ``uri``. A SQLite store is opened (created and its schema migrated, when new) under a
+    file lock taken before MLflow touches it, so that processes starting at once on a fresh ``mlflow.db`` do not
+    migrate it together (alembic then fails: "Online migration expected to match one row")."""
+    if not uri.startswith("sqlite:///"):
+        return MlflowClient(uri)
+    lock_path = Path(uri.removeprefix("sqlite:///")).expanduser().resolve().with_suffix(".db.lock")
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        client = MlflowClient(uri)
+        client.search_experiments(max_results=1)  # creates and migrates the store now, while the lock is held
     return client
 
 

@@ -117,15 +117,14 @@ class WorkerGroupInfo:
 
 def worker_groups(tracking_uri: str | None = None, timeout_s: float = 5.0) -> list[WorkerGroupInfo]:
     """Every training run's worker group on the connected cluster: ranks, pids, age, the resources it holds."""
-    import ray
-    from mlflow.tracking import MlflowClient
+    from flows.tracking import open_store
 
     names_by_namespace: dict[str, list[str]] = {}
     for actor in ray.util.list_named_actors(all_namespaces=True):
         if actor["namespace"].startswith(NAMESPACE_PREFIX) and actor["name"].startswith(f"{PREFIX}-rank"):
             names_by_namespace.setdefault(actor["namespace"], []).append(actor["name"])
     placement_groups = ray.util.placement_group_table().values()
-    client = MlflowClient(tracking_uri) if tracking_uri else None
+    client = open_store(tracking_uri) if tracking_uri else None
     groups = []
     for namespace, names in sorted(names_by_namespace.items()):
         refs = [ray.get_actor(name, namespace=namespace).health.remote() for name in sorted(names)]

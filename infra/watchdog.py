@@ -60,7 +60,7 @@ def watch(pid: int) -> list[int]:
     """Record ``pid``'s descendants until it ends, then end those still running; returns the pids it had to end."""
     started = processes().get(pid, (0, None))[1]
     recorded: dict[int, int] = {}
-    while True:
+    while started is not None:  # a command already gone has nothing to watch (None == None would loop forever)
         table = processes()
         if table.get(pid, (0, None))[1] != started:
             break
