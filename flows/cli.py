@@ -274,9 +274,10 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
 
 
-def _stop_on_signals() -> None:
+def _stop_on_signals() -> list[int]:
     """The first SIGINT/SIGTERM raises :class:`Interrupted` in the main thread; a second one exits at once (the
-    watchdog then ends what the command started)."""
+    watchdog then ends what the command started). Returns the signals received (Ray's waits turn the handler's
+    Interrupted into a plain KeyboardInterrupt: the list says which signal it was)."""
     received: list[int] = []
 
     def stop(signum: int, frame: object) -> None:
@@ -284,6 +285,18 @@ def _stop_on_signals() -> None:
             os._exit(128 + signum)
         received.append(signum)
         raise Interrupted(signum)
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    return received
+
+
+def _exit_at_once_on_signals(command: str) -> None:
+    """Once the command's work is done, a signal during the exit (Ray and Prefect's server being stopped by atexit
+    handlers) ends the process at once with 128 + the signal; the watchdog ends what is left."""
+    def stop(signum: int, frame: object) -> None:
+        print(f"ppoflow {command}: stopped by {signal.Signals(signum).name} while exiting", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
@@ -305,12 +318,14 @@ def _run_flow_command(args: argparse.Namespace) -> int:
     from infra import watchdog
 
     watchdog.start()
-    _stop_on_signals()
+    received = _stop_on_signals()
     try:
         return args.flow_command(args)
-    except Interrupted as stop:
-        print(f"ppoflow {args.command}: {stop}; the run is marked KILLED and its workers were freed", file=sys.stderr)
-        return 128 + stop.signum
+    except KeyboardInterrupt as stop:  # Interrupted, or the plain KeyboardInterrupt a Ray wait makes of it
+        signum = getattr(stop, "signum", received[0] if received else signal.SIGINT)
+        print(f"ppoflow {args.command}: stopped by {signal.Signals(signum).name}; the run is marked KILLED and its workers were freed",
+              file=sys.stderr)
+        return 128 + signum
     except Exception as error:
         path = _traceback_file(args.command)
         if args.verbose:
@@ -320,6 +335,8 @@ def _run_flow_command(args: argparse.Namespace) -> int:
         print(f"ppoflow {args.command}: {one_line(error)}\n(the traceback: {path}{'' if args.verbose else '; --verbose prints it'})",
               file=sys.stderr)
         return 1
+    finally:
+        _exit_at_once_on_signals(args.command)
 
 
 def build_parser() -> argparse.ArgumentParser:
