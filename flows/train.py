@@ -159,7 +159,7 @@ def run_training(config: DictConfig, tags: dict[str, str] | None = None) -> dict
     ``tags`` go on a new MLflow run (a sweep's child carries ``mlflow.parentRunId``)."""
     # --- set-up that cannot leave anything behind: assets, data, reward (a bad input fails here, before any run exists)
     apply_embedded_defaults(config)
-    check_run_inputs(config)  # every problem of the data, model and reward at once, in a second
+    check_run_inputs(config, tokenize=False)  # every problem at once, in a second (the datasets below check each prompt)
     tokenizer = load_policy_tokenizer(config.actor_rollout_ref.model)
     train_data = RLDataset(config.data.train_files, tokenizer, config.data, config.data.train_max_samples)
     val_data = RLDataset(config.data.val_files, tokenizer, config.data, config.data.val_max_samples)

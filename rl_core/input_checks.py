@@ -1,21 +1,24 @@
-"""A run's inputs checked in about a second, before any process starts: the data files (readable, their first rows
-carry the columns every stage needs, enough rows for one batch), the model folders, and the reward function
-(importable, and callable the way the reward manager calls it). Every problem is one line naming the key and the
-fix; all of them are reported together."""
+"""A run's inputs checked in seconds, before any process starts: the data files (readable, their first rows carry the
+columns every stage needs, enough rows for one batch, and with ``data.truncation=error`` no prompt longer than
+``data.max_prompt_length``), the model folders, the reward function (importable, and callable the way the reward
+manager calls it), the checkpoint folder (not in use by another run; a ``resume_from_path`` intact). Every problem is
+one line naming the key and the fix; all of them are reported together."""
 
 from __future__ import annotations
 
 import importlib.util
 import inspect
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from rl_core.data.dataset import DatasetError, peek_rows, validate_row
+from rl_core.data.dataset import DatasetError, RLDataset, peek_rows, validate_row
 from rl_core.models.folder import ModelLoadError, check_model_folder
 from rl_core.ppo_step import use_critic
 from rl_core.reward.custom import load_custom_reward_function
+from rl_core.step_checkpoint import CheckpointError, StepCheckpoints
 
 ROWS_CHECKED = 8  # the first rows of each file whose columns are checked (the dataset checks every row when it loads)
 REWARD_CALLS = {  # reward.reward_manager -> the keyword arguments the reward manager calls the function with
@@ -112,9 +115,43 @@ def device_problems(config: Any) -> list[str]:
     return problems
 
 
-def check_run_inputs(config: Any) -> None:
-    """Raise InputError listing every problem of the data, model, reward and device inputs (keys left null for the
-    embedded demo are skipped: it fills them in)."""
+def prompt_problems(config: Any) -> list[str]:
+    """With ``data.truncation=error`` (and no filtering): a prompt longer than ``data.max_prompt_length`` tokens, found by
+    tokenizing every row with the policy's tokenizer (as the run's datasets will)."""
+    if config.data.truncation != "error" or config.data.filter_overlong_prompts or config.actor_rollout_ref.model.path is None:
+        return []
+    from rl_core.models.loading import load_policy_tokenizer
+
+    tokenizer = load_policy_tokenizer(config.actor_rollout_ref.model)
+    problems = []
+    for key in ("data.train_files", "data.val_files"):
+        try:
+            RLDataset(config.data[key.split(".")[1]], tokenizer, config.data)
+        except DatasetError as error:
+            problems.append(f"{key}: {error}")
+    return problems
+
+
+def checkpoint_problems(config: Any) -> list[str]:
+    """The checkpoint folder held by another run; a damaged or missing ``resume_from_path``."""
+    checkpoints = StepCheckpoints(config.trainer.default_local_dir)
+    holder = checkpoints.holder()
+    problems = [f"trainer.default_local_dir: {checkpoints.in_use_message(holder)}"] if holder is not None else []
+    if config.trainer.resume_mode == "resume_path" and config.trainer.resume_from_path:
+        try:
+            checkpoints.check_intact(Path(config.trainer.resume_from_path).expanduser())
+        except CheckpointError as error:
+            problems.append(f"trainer.resume_from_path: {error}")
+    return problems
+
+
+def check_run_inputs(config: Any, tokenize: bool = True) -> None:
+    """Raise InputError listing every problem of the data, model, reward, device and checkpoint inputs (keys left null
+    for the embedded demo are skipped: it fills them in). ``tokenize=False`` skips the prompt-length check, for a
+    caller that loads the datasets (which check every prompt) right after."""
     problems = data_problems(config) + model_problems(config) + reward_problems(config) + device_problems(config)
+    if tokenize and not problems:  # the prompts are tokenized with a tokenizer and data known to load
+        problems += prompt_problems(config)
+    problems += checkpoint_problems(config)
     if problems:
         raise InputError("\n".join(problems))

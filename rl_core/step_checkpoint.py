@@ -207,12 +207,29 @@ class StepCheckpoints:
         except BlockingIOError:
             other = _holder(handle)
             handle.close()
-            raise CheckpointError(f"folder {self.root} is in use by run {other.get('run', '?')} (pid {other.get('pid', '?')}, started "
-                                  f"{other.get('started', '?')}): wait for it to end, or give this run another trainer.experiment_name "
-                                  f"or trainer.default_local_dir") from None
+            raise CheckpointError(self.in_use_message(other)) from None
         folder_lock = FolderLock(handle, previous=_holder(handle) or None)
         folder_lock.describe(pid=os.getpid(), started=time.strftime("%Y-%m-%d %H:%M:%S"), **holder)
         return folder_lock
+
+    def holder(self) -> dict[str, Any] | None:
+        """What the run holding this folder says of itself (run, pid, start), or None when no process holds it. Looks
+        without taking the folder and without creating anything."""
+        try:
+            handle = open(self.root / LOCK_FILE)
+        except OSError:
+            return None
+        with handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return _holder(handle)
+            return None
+
+    def in_use_message(self, holder: dict[str, Any]) -> str:
+        return (f"folder {self.root} is in use by run {holder.get('run', '?')} (pid {holder.get('pid', '?')}, started "
+                f"{holder.get('started', '?')}): wait for it to end, or give this run another trainer.experiment_name or "
+                f"trainer.default_local_dir")
 
     @contextmanager
     def locked(self, holder: dict[str, Any]) -> Iterator[FolderLock]:

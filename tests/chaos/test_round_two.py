@@ -2,6 +2,7 @@
 processes at once, a watchdog of a command already gone, Ctrl-C in a Ray wait and during exit, ...)."""
 
 import multiprocessing
+import os
 import signal
 import subprocess
 import sys
@@ -9,6 +10,9 @@ import time
 
 from flows.tracking import open_store
 from infra import watchdog
+from rl_core.data.dataset import write_rows
+from rl_core.data.synthetic import addition_rows
+from rl_core.step_checkpoint import StepCheckpoints
 from tests.conftest import ROOT
 
 
@@ -104,3 +108,31 @@ def test_ctrl_c_while_exiting_is_a_clean_stop():
     output = interrupt_when(command, "exiting\n")
     assert command.wait(10) == 130, output
     assert output.strip() == "ppoflow train: stopped by SIGINT while exiting"
+
+
+def test_a_folder_in_use_overlong_prompts_and_a_damaged_resume_path_are_refused_before_anything_starts(tmp_path, tiny_model_path):
+    """They were found only after the start-up (~37-44 s: its own Ray cluster and Prefect server booted, the first run
+    slowed meanwhile, exit code 1)."""
+    rows = addition_rows(12, seed=0, max_operand=9, split="train")
+    long_prompt = dict(rows[0], prompt=[{"role": "user", "content": "1+1=" * 40}])
+    train = write_rows(rows, tmp_path / "train.parquet")
+    val = write_rows([long_prompt] + rows[:3], tmp_path / "val.jsonl")
+    held = StepCheckpoints(tmp_path / "in-use").lock({"run": "the-first-run"})  # the first run holds its folder
+    damaged = tmp_path / "old" / "global_step_3"
+    damaged.mkdir(parents=True)
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "flows.cli", "train", f"actor_rollout_ref.model.path={tiny_model_path}",
+                             f"data.train_files={train}", f"data.val_files={val}", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4", "data.max_prompt_length=64",
+                             f"trainer.default_local_dir={tmp_path / 'in-use'}", "trainer.resume_mode=resume_path",
+                             f"trainer.resume_from_path={damaged}", f"trainer.tracking_uri=sqlite:///{tmp_path}/mlflow.db"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=120, env={"PATH": "/usr/bin:/bin", "PPOFLOW_HOME": str(tmp_path)})
+    seconds = time.monotonic() - started
+    held.release()
+    lines = result.stderr.splitlines()
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert lines[0].startswith(f"ppoflow train: data.val_files: {val}: row 0: the prompt has ") and "> data.max_prompt_length=64" in lines[0]
+    assert lines[1].startswith(f"ppoflow train: trainer.default_local_dir: folder {tmp_path / 'in-use'} is in use by run the-first-run "
+                               f"(pid {os.getpid()}, started ")
+    assert lines[2].startswith(f"ppoflow train: trainer.resume_from_path: checkpoint {damaged} is incomplete")
+    assert seconds < 20 and not (tmp_path / "mlflow.db").exists()
+    print(f"refused in {seconds:.1f} s (interpreter start and imports included)")
