@@ -262,7 +262,8 @@ def _ui(args: argparse.Namespace) -> int:
     for name in ("mlflow_url", "prefect_url", "ray_dashboard_url"):
         if getattr(args, name):
             setattr(links, name, getattr(args, name))
-    serve(args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI, args.host, args.port, links, args.experiment)
+    serve(args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI, args.host, args.port, links, args.experiment,
+          args.allowed_host)
     return 0
 
 
@@ -413,6 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
     ui.add_argument("--port", type=int, default=8420)
     ui.add_argument("--tracking-uri", help="the MLflow store (default: MLFLOW_TRACKING_URI, else the embedded default's sqlite:///mlflow.db)")
     ui.add_argument("--experiment", default="ppoflow", help="the experiment shown first (trainer.project_name)")
+    ui.add_argument("--allowed-host", action="append", default=[], help="a name requests may give in their Host header besides "
+                    "the loopback names and --host (a DNS name in front of it); repeatable")
     ui.add_argument("--mlflow-url", help="the MLflow UI, for links (default http://127.0.0.1:5000)")
     ui.add_argument("--prefect-url", help="the Prefect UI, for links (default PREFECT_UI_URL or http://127.0.0.1:4200)")
     ui.add_argument("--ray-dashboard-url", help="the Ray dashboard, for links (default http://127.0.0.1:8265)")

@@ -21,6 +21,7 @@ from hydra.errors import ConfigCompositionException, OverrideParseException
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from flows.secrets import redact_text
 from rl_core.config import ConfigValueError, PPOTrainerConfig, check_config
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -76,7 +77,46 @@ def compose_config(overrides: list[str] | None = None, base: str | None = None) 
         check_config(config)
     except ConfigValueError as error:
         raise ConfigError(str(error)) from None
+    check_names(config)
+    absolute_paths(config)
     return config
+
+
+def check_names(config: DictConfig) -> None:
+    """The run's names are stored as they are (the MLflow experiment and run name, the checkpoint folder, Prefect's
+    flow run): a secret in one of them is refused, not redacted."""
+    for key in ("trainer.project_name", "trainer.experiment_name"):
+        value = str(OmegaConf.select(config, key))
+        if redact_text(value) != value:
+            raise ConfigError(f"{key} holds a token or a password ({redact_text(value)!r}): a run's names are stored as they are "
+                              f"(MLflow, the checkpoint folder, Prefect); choose another name")
+
+
+# every config key that names a file or folder (a list of them for the data files)
+PATH_KEYS = (
+    "data.train_files", "data.val_files", "actor_rollout_ref.model.path", "actor_rollout_ref.model.tokenizer_path",
+    "actor_rollout_ref.model.lora_adapter_path", "critic.model.path", "critic.model.tokenizer_path", "critic.model.lora_adapter_path",
+    "reward_model.model.path", "reward_model.model.input_tokenizer", "custom_reward_function.path", "trainer.cache_dir",
+    "trainer.default_local_dir", "trainer.resume_from_path", "trainer.artifact_location",
+)
+SQLITE = "sqlite:///"
+
+
+def absolute_paths(config: DictConfig) -> None:
+    """Make every path of ``config`` absolute against this process's working folder (in place; ``~`` expanded), and a
+    relative SQLite tracking URI too: the workers run elsewhere (on a persistent cluster, in the cluster's folder)."""
+    def absolute(path: str) -> str:
+        return str(Path(path).expanduser().absolute())
+
+    for key in PATH_KEYS:
+        value = OmegaConf.select(config, key)
+        if isinstance(value, str):
+            OmegaConf.update(config, key, absolute(value))
+        elif isinstance(value, ListConfig):
+            OmegaConf.update(config, key, [absolute(str(item)) for item in value])
+    uri = config.trainer.tracking_uri
+    if uri.startswith(SQLITE) and not uri.startswith(SQLITE + "/"):
+        config.trainer.tracking_uri = SQLITE + absolute(uri.removeprefix(SQLITE))
 
 
 def _compose(overrides: list[str], base: str | None) -> DictConfig:

@@ -1,9 +1,9 @@
 """Secrets never stored: what looks like one is redacted from MLflow params and the config artifact, and kept out of
 Prefect's flow-run parameters.
 
-A secret is the value of a key whose last part names one (``hf_token``, ``api_key``, ``password``, ...), or a
-string shaped like a well-known token (Hugging Face ``hf_...``, OpenAI ``sk-...``, GitHub ``ghp_...``, AWS
-``AKIA...``). Pass secrets through the environment — ``custom_reward_function.reward_kwargs.api_key='${oc.env:MY_API_KEY}'``
+A secret is the value of a key whose last part names one (``hf_token``, ``api_key``, ``password``, ...), a string
+shaped like a well-known token (Hugging Face ``hf_...``, OpenAI ``sk-...``, GitHub ``ghp_...``, AWS ``AKIA...``), or the
+password of a URL (``postgresql://user:password@host/db``). Pass secrets through the environment — ``custom_reward_function.reward_kwargs.api_key='${oc.env:MY_API_KEY}'``
 — so that only the interpolation is ever written down; a secret given as a command-line override anyway reaches
 the run through the environment of the process, not as a Prefect parameter.
 """
@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 SECRET_KEY = re.compile(r"(^|[._])(\w*_)?(token|secret|password|passwd|api_?key|access_?key|secret_?key|private_?key|credentials?|auth)$",
                         re.IGNORECASE)
 SECRET_VALUE = re.compile(r"\b(hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_\-]{20,}|gh[pousr]_[A-Za-z0-9]{20,}|AKIA[0-9A-Z]{16})\b")
+URL_PASSWORD = re.compile(r"(://[^/:@\s]+:)[^/@\s]+(@)")  # the password of scheme://user:password@host
 REDACTED = "***"
 SECRET_OVERRIDES_ENV = "PPOFLOW_SECRET_OVERRIDES"
 
@@ -82,9 +83,11 @@ def _assign(node: Any, before: Any, after: Any) -> None:
 
 
 def redact_text(text: str, secrets: set[str] = frozenset()) -> str:
+    """``text`` with the given secrets, token-shaped strings and the passwords of URLs (``scheme://user:password@host``)
+    replaced by ``***``."""
     for secret in sorted(secrets, key=len, reverse=True):
         text = text.replace(secret, REDACTED)
-    return SECRET_VALUE.sub(REDACTED, text)
+    return URL_PASSWORD.sub(rf"\1{REDACTED}\2", SECRET_VALUE.sub(REDACTED, text))
 
 
 def split_secret_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:

@@ -2,7 +2,9 @@
 
 ``ppoflow ui`` serves it on 127.0.0.1 (``--host`` to expose it; it only ever reads). Every route is a GET; the
 page renders logged strings as text (never as HTML) and the Content-Security-Policy forbids inline and foreign
-scripts, so a response containing ``<script>`` is shown, not run.
+scripts, so a response containing ``<script>`` is shown, not run. A request must name the server by a loopback name
+(or the ``--host`` it listens on, or an ``--allowed-host``) in its Host header: a page elsewhere that rebinds its DNS
+name to 127.0.0.1 cannot read the store. What the API echoes of the tracking URI has its password replaced.
 """
 
 from __future__ import annotations
@@ -15,14 +17,17 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.base import BaseHTTPMiddleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from flows.secrets import redact_text
 from ui.store import RunStore
 
 STATIC = Path(__file__).resolve().parent / "static"
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1", "[::1]")
 SECURITY_HEADERS = {
     "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; object-src 'none'; base-uri 'none'",
     "X-Content-Type-Options": "nosniff",
@@ -52,9 +57,11 @@ class SecurityHeaders(BaseHTTPMiddleware):
         return response
 
 
-def create_app(tracking_uri: str, links: Links | None = None, default_experiment: str = "ppoflow") -> Starlette:
+def create_app(tracking_uri: str, links: Links | None = None, default_experiment: str = "ppoflow",
+               allowed_hosts: list[str] | None = None) -> Starlette:
+    """The app over the store at ``tracking_uri``; requests must name it by a loopback name or one of ``allowed_hosts``."""
     store = RunStore(tracking_uri)
-    settings = {**asdict(links or Links.from_environment()), "default_experiment": default_experiment, "tracking_uri": tracking_uri}
+    settings = {**asdict(links or Links.from_environment()), "default_experiment": default_experiment, "tracking_uri": redact_text(tracking_uri)}
 
     def run_ids(request: Request) -> list[str]:
         ids = request.query_params.getlist("run")
@@ -84,13 +91,17 @@ def create_app(tracking_uri: str, links: Links | None = None, default_experiment
         Route("/api/config-diff", api(lambda request: store.config_diff(run_ids(request))), methods=["GET"]),
         Mount("/static", StaticFiles(directory=STATIC), name="static"),
     ]
-    return Starlette(routes=routes, middleware=[Middleware(SecurityHeaders)])
+    hosts = [*LOOPBACK_NAMES, *(allowed_hosts or [])]
+    return Starlette(routes=routes, middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=hosts), Middleware(SecurityHeaders)])
 
 
-def serve(tracking_uri: str, host: str = "127.0.0.1", port: int = 8420, links: Links | None = None, default_experiment: str = "ppoflow") -> None:
+def serve(tracking_uri: str, host: str = "127.0.0.1", port: int = 8420, links: Links | None = None, default_experiment: str = "ppoflow",
+          allowed_hosts: list[str] | None = None) -> None:
     import uvicorn
 
-    if host not in ("127.0.0.1", "localhost", "::1"):
+    allowed = list(allowed_hosts or [])
+    if host not in LOOPBACK_NAMES:
         print(f"ppoflow ui: listening on {host}, reachable from other machines (the page shows every logged prompt and response)")
-    print(f"ppoflow ui: http://{host}:{port}/ (runs of {tracking_uri})")
-    uvicorn.run(create_app(tracking_uri, links, default_experiment), host=host, port=port, log_level="warning")
+        allowed.append(host)
+    print(f"ppoflow ui: http://{host}:{port}/ (runs of {redact_text(tracking_uri)})")
+    uvicorn.run(create_app(tracking_uri, links, default_experiment, allowed), host=host, port=port, log_level="warning")

@@ -145,3 +145,9 @@ def test_an_evaluation_needs_the_secrets_its_training_runs_config_hides():
     with pytest.raises(EvaluationSourceError, match=r"custom_reward_function.reward_kwargs.api_key = '\*\*\*'.*pass them again"):
         check_no_redacted_values(stored)
     check_no_redacted_values(OmegaConf.create({"custom_reward_function": {"reward_kwargs": {"api_key": "given-again"}}}))
+
+
+def test_a_password_in_a_url_is_redacted():
+    config = OmegaConf.create({"trainer": {"tracking_uri": "postgresql://mlflow:hunter2@db:5432/mlflow", "note": "http://127.0.0.1:5000"}})
+    safe = redacted(config)
+    assert safe.trainer.tracking_uri == "postgresql://mlflow:***@db:5432/mlflow" and safe.trainer.note == "http://127.0.0.1:5000"

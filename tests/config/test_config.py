@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from omegaconf import DictConfig, OmegaConf
 
-from flows.config import ConfigError, compose_config
+from flows.config import ConfigError, absolute_paths, compose_config
 from rl_core.config import CHOICES, check_config, default_config
 from rl_core.models.optim import build_optimizer
 from tests.conftest import ROOT
@@ -42,6 +42,7 @@ def test_the_yaml_adds_no_default_of_its_own():
     schema = default_config()
     schema.actor_rollout_ref.model.path = "/models/own"
     OmegaConf.resolve(schema)
+    absolute_paths(schema)
     assert OmegaConf.to_container(composed) == OmegaConf.to_container(schema)
     assert set(OmegaConf.load(ROOT / "configs" / "ppo_trainer.yaml")) == {"defaults"}
 
@@ -71,6 +72,7 @@ def test_code_takes_its_defaults_from_the_schema():
     ("actor_rollout_ref.hybrid_engine=false", "only the hybrid engine"),
     ("actor_rollout_ref.actor.ppo_mini_batch_size=64", "cannot be larger than the step's batch"),
     ("actor_rollout_ref.actor.clip_ratio_c=1.0", "actor_rollout_ref.actor.clip_ratio_c=1.0: the dual-clip bound must be greater than 1"),
+    ("trainer.experiment_name=run-hf_" + "Q" * 30, "trainer.experiment_name holds a token or a password ('run-***')"),
 ])
 def test_bad_values_are_refused_naming_the_key(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -104,3 +106,15 @@ def test_skipping_the_old_log_prob_pass_needs_one_epoch_and_one_mini_batch():
     for extra in ("actor_rollout_ref.actor.ppo_epochs=2", "actor_rollout_ref.actor.ppo_mini_batch_size=8", "algorithm.use_kl_in_reward=true"):
         with pytest.raises(ConfigError, match="recompute_old_log_prob=false needs ppo_epochs=1"):
             compose_config([*base, extra])
+
+
+def test_paths_are_made_absolute_against_the_working_folder(tmp_path, monkeypatch):
+    """Workers on a persistent cluster run in the cluster's folder: a relative path there names another file."""
+    monkeypatch.chdir(tmp_path)
+    config = compose_config(["data.train_files=[a.parquet,b.parquet]", "actor_rollout_ref.model.path=models/mine",
+                             "custom_reward_function.path='~/reward.py'"])
+    assert list(config.data.train_files) == [str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")]
+    assert config.actor_rollout_ref.model.path == config.critic.model.path == str(tmp_path / "models" / "mine")
+    assert config.custom_reward_function.path == str(Path("~/reward.py").expanduser())
+    assert config.trainer.cache_dir == str(tmp_path / ".ppoflow") and config.trainer.tracking_uri == f"sqlite:///{tmp_path}/mlflow.db"
+    assert config.trainer.default_local_dir == str(tmp_path / "checkpoints" / "ppoflow" / "demo")

@@ -11,11 +11,11 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from infra.stack import port_open
-from tests.conftest import ROOT, free_port, small_run_overrides
+from tests.conftest import ROOT, free_port
 
 
-def ppoflow(env: dict, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+def ppoflow(env: dict, *args: str, timeout: float = 300, cwd=ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
 def process_group_alive(pid: int) -> bool:
@@ -51,9 +51,15 @@ def test_up_status_train_down(stack_env, tmp_path, demo_cache):
     assert again.returncode == 0 and again.stdout.count("already running") == 3
     assert json.loads((tmp_path / "home" / "stack.json").read_text())["services"] == services
 
-    # a training run uses the stack: its Ray head, its MLflow server, its Prefect server
-    overrides = small_run_overrides(tmp_path, demo_cache, "trainer.total_training_steps=1", "trainer.test_freq=-1")
-    trained = ppoflow(stack_env, "train", *overrides, timeout=600)
+    # a training run uses the stack: its Ray head, its MLflow server, its Prefect server. As the README has it: the
+    # embedded demo from a folder of one's own, with its relative paths (.ppoflow, checkpoints/...), which the stack's
+    # workers (running in the stack's folder) find
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / ".ppoflow").symlink_to(demo_cache)  # the demo's assets, built once for the session
+    overrides = ["data.synthetic.train_size=64", "data.synthetic.val_size=16", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=4",
+                 "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.total_training_steps=1", "trainer.test_freq=-1"]
+    trained = ppoflow(stack_env, "train", *overrides, timeout=600, cwd=work)
     assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
     assert trained.stdout.splitlines()[0].startswith("ppoflow train: using the ppoflow stack")
     result = json.loads(trained.stdout.strip().splitlines()[-1])
@@ -61,6 +67,7 @@ def test_up_status_train_down(stack_env, tmp_path, demo_cache):
     assert MlflowClient(result["tracking_uri"]).get_run(result["run_id"]).info.status == "FINISHED"
     flow_runs = httpx.post(f"http://127.0.0.1:{ports['prefect']}/api/flow_runs/filter", json={}).json()
     assert [run["name"] for run in flow_runs] and all(run["state_type"] == "COMPLETED" for run in flow_runs)
+    assert (work / "checkpoints" / "ppoflow" / "demo" / "global_step_1" / "actor").is_dir()
 
     stopped = ppoflow(stack_env, "down", timeout=120)
     assert stopped.returncode == 0 and "stopped prefect, mlflow, ray" in stopped.stdout

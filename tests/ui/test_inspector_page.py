@@ -179,6 +179,20 @@ def test_the_server_only_reads(server, store):
     assert "error" in httpx.get(f"{server}/api/timeline?run=nope").json()
 
 
+def test_a_page_elsewhere_cannot_read_the_store_through_a_rebound_dns_name(server, store):
+    """DNS rebinding: evil.example resolved to 127.0.0.1 sends Host: evil.example. Only loopback names are served."""
+    assert httpx.get(f"{server}/api/runs", headers={"Host": "evil.example"}).status_code == 400
+    assert httpx.get(f"{server}/api/runs", headers={"Host": f"localhost:{server.rsplit(':', 1)[1]}"}).status_code == 200
+
+
+def test_the_settings_never_echo_a_password():
+    app = create_app("https://mlflow:hunter2@mlflow.internal", Links(), "ppoflow")  # a server behind basic auth
+    settings = next(route for route in app.routes if getattr(route, "path", "") == "/api/settings")
+    from starlette.testclient import TestClient
+
+    assert TestClient(app, base_url="http://127.0.0.1").get(settings.path).json()["tracking_uri"] == "https://mlflow:***@mlflow.internal"
+
+
 def test_ppoflow_ui_binds_to_loopback_by_default():
     from flows.cli import build_parser
 
