@@ -6,6 +6,10 @@ nothing else), records them in ``$PPOFLOW_HOME/stack.json`` (default ``~/.ppoflo
 answers; run again, it starts only what is not answering. ``down`` stops the recorded groups (data kept).
 ``ppoflow train`` uses the stack when it answers, through the three environment variables of :meth:`Stack.env`.
 
+A service is its process group *and* the start time of the group's leader: a stale ``stack.json`` (a reboot, a crash)
+whose pids now belong to other programs names nothing, and nothing is signalled that ``up`` did not start. A
+service that exits while starting is seen at once (its exit is reaped), and the last error line of its log is shown.
+
 Choices measured elsewhere (../shared/DESIGN.md): MLflow's server with one worker and job execution off (else
 ~2.4 GiB and 25 s to start); Prefect's UI needs ``PREFECT_UI_API_URL`` on a port other than 4200; Ray with
 token authentication, on loopback (infra/cluster.py).
@@ -27,10 +31,14 @@ from pathlib import Path
 import httpx
 
 from infra.cluster import INLINE_OBJECTS_ENV, LOCAL_CLUSTER_ENV, LOOPBACK_ENV, secure_auth_token
+from infra.watchdog import stat
 
 HOST = "127.0.0.1"
 DEFAULT_PORTS = {"prefect": 4200, "mlflow": 5000, "ray": 6379}
 START_TIMEOUT_S = 180.0
+# ports Ray keeps for itself by default: its client server (10001) and its workers (10002-19999, `ray start
+# --min-worker-port/--max-worker-port`); a service there fails, or makes a Ray worker fail later
+RAY_RESERVED_PORTS = range(10001, 20000)
 
 
 def stack_home() -> Path:
@@ -48,13 +56,28 @@ class Service:
     port: int
     url: str
     log: str
+    started: int | None = None  # the leader's start time (clock ticks since boot): with pid, who the service is
+
+    def members(self) -> list[int]:
+        """The live processes of the service's group: its leader (when it is the process ``up`` started, not a zombie),
+        or, once the leader is gone, what it left in the group (started after it: never a stranger's)."""
+        leader = stat(self.pid)
+        if leader is not None and self.started is not None and leader[3] == self.started:
+            return [self.pid] if leader[0] != "Z" else self._left_behind()
+        return self._left_behind() if leader is None else []
+
+    def _left_behind(self) -> list[int]:
+        if self.started is None:
+            return []
+        found = []
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit() and (other := stat(int(entry.name))) and other[2] == self.pid and other[0] != "Z" \
+                    and other[3] >= self.started and int(entry.name) != self.pid:
+                found.append(int(entry.name))
+        return found
 
     def alive(self) -> bool:
-        try:
-            os.killpg(self.pid, 0)
-            return True
-        except (ProcessLookupError, PermissionError):
-            return False
+        return bool(self.members())
 
     def answers(self, timeout_s: float = 3.0) -> bool:
         if self.name == "ray":
@@ -140,9 +163,19 @@ def service_command(name: str, port: int, data: Path) -> tuple[list[str], dict[s
     raise KeyError(name)
 
 
-def start_service(name: str, port: int, data: Path) -> Service:
+def check_port(name: str, port: int) -> None:
+    if port in RAY_RESERVED_PORTS:
+        raise RuntimeError(f"port {port} for {name} is in the range Ray keeps for its client and workers ({RAY_RESERVED_PORTS.start}-"
+                           f"{RAY_RESERVED_PORTS.stop - 1}): give ppoflow up --{name}-port another port")
     if port_open(port):
         raise RuntimeError(f"port {port} on {HOST} is taken by another program: stop it, or give ppoflow up --{name}-port another port")
+
+
+SERVICE_PROCESSES: dict[int, subprocess.Popen] = {}  # the services this process started
+
+
+def start_service(name: str, port: int, data: Path) -> Service:
+    check_port(name, port)
     command, env, url = service_command(name, port, data)
     logs = data / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -151,7 +184,8 @@ def start_service(name: str, port: int, data: Path) -> Service:
         process = subprocess.Popen(command, env={**os.environ, **env}, stdout=output, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL, start_new_session=True, cwd=data,
                                    preexec_fn=(lambda: os.nice(LOWEST_PRIORITY)) if name == "prefect" else None)
-    return Service(name, process.pid, port, url, str(log))
+    SERVICE_PROCESSES[process.pid] = process  # polled while it starts: an exit is reaped, not left a zombie
+    return Service(name, process.pid, port, url, str(log), started=stat(process.pid)[3])
 
 
 def lower_priority(pid: int) -> None:
@@ -169,15 +203,21 @@ def wait_until_answering(services: list[Service], timeout_s: float = START_TIMEO
     deadline = time.monotonic() + timeout_s
     for service in services:
         while not service.answers():
-            if not service.alive():
-                raise RuntimeError(f"{service.name} exited while starting; its log: {service.log}\n{_tail(service.log)}")
+            process = SERVICE_PROCESSES.get(service.pid)
+            if (process is not None and process.poll() is not None) or not service.alive():
+                code = f" (exit code {process.returncode})" if process is not None and process.returncode is not None else ""
+                raise RuntimeError(f"{service.name} exited while starting{code}: {last_error_line(service.log)} (its log: {service.log})")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{service.name} did not answer on port {service.port} within {timeout_s:.0f}s; its log: {service.log}")
+                raise TimeoutError(f"{service.name} did not answer on port {service.port} within {timeout_s:.0f}s: "
+                                   f"{last_error_line(service.log)} (its log: {service.log})")
             time.sleep(0.5)
 
 
-def _tail(path: str, lines: int = 15) -> str:
-    return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+def last_error_line(path: str) -> str:
+    """The last line of a log that reads like an error (else its last line): what a service died of."""
+    lines = [line.strip() for line in Path(path).read_text(errors="replace").splitlines() if line.strip()]
+    errors = [line for line in lines if any(word in line for word in ("Error", "error", "ERROR", "Exception", "failed", "Failed"))]
+    return (errors or lines or ["(its log is empty)"])[-1][:500]
 
 
 def up(data_dir: str | Path | None = None, ports: dict[str, int] | None = None) -> tuple[Stack, list[str]]:
@@ -187,6 +227,10 @@ def up(data_dir: str | Path | None = None, ports: dict[str, int] | None = None) 
     data.mkdir(parents=True, exist_ok=True)
     stack = Stack(str(data))
     wanted = {**DEFAULT_PORTS, **(ports or {})}
+    for name, port in wanted.items():  # every port checked before anything starts
+        service = existing.services.get(name) if existing else None
+        if service is None or not service.alive():
+            check_port(name, port)
     started: list[Service] = []
     try:
         for name, port in wanted.items():
@@ -211,17 +255,26 @@ def up(data_dir: str | Path | None = None, ports: dict[str, int] | None = None) 
 
 
 def stop_service(service: Service, timeout_s: float = 30.0) -> None:
-    """SIGTERM to the service's process group, SIGKILL to what remains after ``timeout_s``."""
+    """SIGTERM to the service's process group, SIGKILL to what remains after ``timeout_s``; nothing when the group is
+    not the one ``up`` started (:meth:`Service.members`)."""
     for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
+        if not service.alive():
+            break
         try:
             os.killpg(service.pid, sig)
         except ProcessLookupError:
-            return
+            break
         deadline = time.monotonic() + wait
         while service.alive() and time.monotonic() < deadline:
+            _reap(service)
             time.sleep(0.2)
-        if not service.alive():
-            return
+    _reap(service)
+
+
+def _reap(service: Service) -> None:
+    process = SERVICE_PROCESSES.get(service.pid)
+    if process is not None:
+        process.poll()
 
 
 def down() -> list[str]:

@@ -23,18 +23,23 @@ POLL_S = 0.5
 GRACE_S = 5.0
 
 
+def stat(pid: int) -> tuple[str, int, int, int] | None:
+    """(state, parent pid, process group, start time in clock ticks since boot) of ``pid`` from /proc/<pid>/stat; None
+    when there is no such process."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:  # it ended meanwhile
+        return None
+    fields = text[text.rindex(")") + 2 :].split()  # after "pid (command name)", which may hold spaces
+    return fields[0], int(fields[1]), int(fields[2]), int(fields[19])
+
+
 def processes() -> dict[int, tuple[int, int]]:
-    """pid -> (parent pid, start time in clock ticks since boot) of every process, from /proc/<pid>/stat."""
+    """pid -> (parent pid, start time in clock ticks since boot) of every process."""
     table = {}
     for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(entry.path, "stat").read_text()
-        except OSError:  # it ended meanwhile
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (command name)", which may hold spaces
-        table[int(entry.name)] = (int(fields[1]), int(fields[19]))
+        if entry.name.isdigit() and (found := stat(int(entry.name))) is not None:
+            table[int(entry.name)] = (found[1], found[3])
     return table
 
 

@@ -8,12 +8,14 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from flows.tracking import open_store
-from infra import watchdog
+from infra import stack, watchdog
 from rl_core.data.dataset import write_rows
 from rl_core.data.synthetic import addition_rows
 from rl_core.step_checkpoint import StepCheckpoints
-from tests.conftest import ROOT
+from tests.conftest import ROOT, free_port
 
 
 def open_new_store(barrier, uri: str, results: dict, index: int) -> None:
@@ -136,3 +138,44 @@ def test_a_folder_in_use_overlong_prompts_and_a_damaged_resume_path_are_refused_
     assert lines[2].startswith(f"ppoflow train: trainer.resume_from_path: checkpoint {damaged} is incomplete")
     assert seconds < 20 and not (tmp_path / "mlflow.db").exists()
     print(f"refused in {seconds:.1f} s (interpreter start and imports included)")
+
+
+def test_ppoflow_up_refuses_a_port_ray_keeps_before_starting_anything(tmp_path, monkeypatch):
+    """`ray start` on a port in its worker range failed in seconds, but `up` then waited 180 s for it."""
+    monkeypatch.setenv("PPOFLOW_HOME", str(tmp_path))
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"port 12345 for ray is in the range Ray keeps for its client and workers \(10001-19999\)"):
+        stack.up(ports={"prefect": free_port(), "mlflow": free_port(), "ray": 12345})
+    assert time.monotonic() - started < 2 and not (tmp_path / "stack.json").exists() and not (tmp_path / "data" / "logs").exists()
+
+
+def test_a_service_that_dies_while_starting_is_seen_at_once_with_its_own_error(tmp_path, monkeypatch):
+    """It was left a zombie that still answered os.killpg(pid, 0): `up` waited 180 s, then ~35 s per service to stop
+    it, and never showed the log's error."""
+    monkeypatch.setenv("PPOFLOW_HOME", str(tmp_path))
+    dying = [sys.executable, "-c", "import sys; print('starting'); print('ValueError: the port is not usable'); sys.exit(3)"]
+    monkeypatch.setattr(stack, "service_command", lambda name, port, data: (dying, {}, f"http://127.0.0.1:{port}"))
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"prefect exited while starting \(exit code 3\): ValueError: the port is not usable"):
+        stack.up(ports={"prefect": free_port(), "mlflow": free_port(), "ray": free_port()})
+    assert time.monotonic() - started < 10 and not (tmp_path / "stack.json").exists()
+
+
+def test_a_stale_stack_file_never_makes_down_kill_a_stranger(tmp_path, monkeypatch):
+    """After a reboot the recorded pids may belong to other programs: `down` used to SIGTERM, then SIGKILL, whatever
+    process group had that id. A service is its group *and* its leader's start time."""
+    monkeypatch.setenv("PPOFLOW_HOME", str(tmp_path))
+    stranger = subprocess.Popen(["sleep", "600"], start_new_session=True)  # a process group of someone else's
+    ours = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    try:
+        services = {"prefect": stack.Service("prefect", stranger.pid, free_port(), "http://127.0.0.1:1/api", "log", started=1),
+                    "mlflow": stack.Service("mlflow", ours.pid, free_port(), "http://127.0.0.1:1", "log",
+                                            started=watchdog.stat(ours.pid)[3])}
+        stack.Stack(str(tmp_path), services).save()
+        assert not services["prefect"].alive() and services["mlflow"].alive()
+        assert stack.down() == ["prefect", "mlflow"]
+        assert stranger.poll() is None  # untouched
+        assert ours.wait(10) == -signal.SIGTERM  # what the stack started is stopped
+    finally:
+        stranger.kill()
+        ours.kill()

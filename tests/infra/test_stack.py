@@ -11,6 +11,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from infra.stack import port_open
+from infra.watchdog import stat
 from tests.conftest import ROOT, free_port
 
 
@@ -18,12 +19,10 @@ def ppoflow(env: dict, *args: str, timeout: float = 300, cwd=ROOT) -> subprocess
     return subprocess.run([sys.executable, "-m", "flows.cli", *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
-def process_group_alive(pid: int) -> bool:
-    try:
-        os.killpg(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
+def process_group_alive(pgid: int) -> bool:
+    """A live (not zombie: an orphan's exit may not be reaped at once) process is in the group."""
+    return any(entry.name.isdigit() and (found := stat(int(entry.name))) is not None and found[2] == pgid and found[0] != "Z"
+               for entry in os.scandir("/proc"))
 
 
 @pytest.fixture()
