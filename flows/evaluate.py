@@ -113,7 +113,7 @@ def run_evaluation(source: str, overrides: list[str] | None = None, samples: int
             workers = build_workers(config, f"ppoflow-eval-{tracker.run_id}", evaluation=True, log=view.log)
             timeout = config.trainer.worker_timeout_s
             workers.role("actor_rollout_ref").load_weights(str(actor_folder), timeout_s=timeout, stage="load_weights")
-            stage_workers = step_workers(workers, timeout)
+            stage_workers = step_workers(workers, timeout, config.reward.timeout_s)
             val_kwargs = dict(config.actor_rollout_ref.rollout.val_kwargs)
             greedy = run_validation(config, stage_workers, val_data, reward_manager, val_kwargs={**val_kwargs, "n": 1, "do_sample": False})
             sampled = run_validation(config, stage_workers, val_data, reward_manager,

@@ -206,7 +206,7 @@ def run_training(config: DictConfig, tags: dict[str, str] | None = None) -> dict
             else:
                 workers = build_workers(config, namespace, log=view.log)
             tracker.set_tags({"ppoflow.worker_pids": ",".join(str(r["pid"]) for r in workers.health(timeout))})
-            stage_workers = step_workers(workers, timeout)
+            stage_workers = step_workers(workers, timeout, config.reward.timeout_s)
             if folder:
                 restore(workers, folder, progress, checkpoints, timeout, load_weights=not reuse_weights)
                 tracker.mark_running()
@@ -249,7 +249,7 @@ def run_training(config: DictConfig, tags: dict[str, str] | None = None) -> dict
                     workers.kill()
                     workers = build_workers(config, namespace, log=view.log)
                     tracker.set_tags({"ppoflow.worker_pids": ",".join(str(r["pid"]) for r in workers.health(timeout))})
-                    stage_workers = step_workers(workers, timeout)
+                    stage_workers = step_workers(workers, timeout, config.reward.timeout_s)
                     progress = fresh_progress()
                     latest = checkpoints.latest_step()
                     if latest is not None:

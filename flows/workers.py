@@ -96,10 +96,13 @@ def weights_at(group: WorkerGroup, trainer_state: dict, timeout: float) -> bool:
                                         for report in group.health(timeout))
 
 
-def step_workers(group: WorkerGroup, timeout_s: float) -> StepWorkers:
-    """The group's roles as the PPO step calls them (each call waits at most ``timeout_s``)."""
+def step_workers(group: WorkerGroup, timeout_s: float, reward_timeout_s: float | None = None) -> StepWorkers:
+    """The group's roles as the PPO step calls them (each call waits at most ``timeout_s``; the reward model's at most
+    ``reward_timeout_s`` when that is given: ``reward.timeout_s``)."""
     def role(name: str):
-        return group.role(name, timeout_s) if name in group.roles else None
+        if name not in group.roles:
+            return None
+        return group.role(name, reward_timeout_s if name == "reward_model" and reward_timeout_s else timeout_s)
 
     return StepWorkers(actor=role("actor_rollout_ref"), critic=role("critic"), reward_model=role("reward_model"), world_size=group.world_size)
 

@@ -264,6 +264,9 @@ class RewardConfig:
     reward_manager: str = "naive"     # naive (one call per sample) | batch (one call with lists)
     on_error: str = "raise"           # raise: the step fails naming the sample; zero: it scores 0 and is counted
     lenient_answers: bool = False     # accept near-misses verl's rule scorers reject (a trailing period after #### N)
+    # a batch's scoring (the reward function, or the reward model's call) that takes longer fails the step naming the
+    # sample it was on; null = no limit
+    timeout_s: Optional[float] = 600.0
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
 
@@ -410,6 +413,8 @@ def check_config(config: Any) -> None:
         value = OmegaConf.select(config, key)
         if not value > 0:
             raise ConfigValueError(f"{key}={value!r}: must be > 0")
+    if config.reward.timeout_s is not None and not config.reward.timeout_s > 0:
+        raise ConfigValueError(f"reward.timeout_s={config.reward.timeout_s}: must be > 0 (or null for no limit)")
     steps = config.trainer.total_training_steps
     if steps is not None and steps <= 0:
         raise ConfigValueError(f"trainer.total_training_steps={steps}: must be > 0 (or null to train for trainer.total_epochs)")

@@ -8,7 +8,9 @@ dict with a numeric ``score`` (its other keys become per-sample extra info, e.g.
 
 A scorer that raises or returns a non-number fails the step with a message naming the sample and its
 data_source (``on_error=raise``), or scores that sample 0 and counts it in ``reward/score_failures``
-(``on_error=zero``). DAPO's overlong penalty (``overlong_buffer``) subtracts up to ``penalty_factor`` linearly
+(``on_error=zero``). A batch's scoring that takes longer than ``reward.timeout_s`` fails the step naming the sample it
+was on: it runs in a thread of its own, which is abandoned (a daemon: it ends with the process; a thread cannot be
+killed, so a long-lived process — a served deployment — keeps a hung one until it restarts). DAPO's overlong penalty (``overlong_buffer``) subtracts up to ``penalty_factor`` linearly
 over the last ``len`` tokens before ``max_response_length``, a reward model's scores included (verl's reward
 managers return a reward model's scores untouched).
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +34,10 @@ from rl_core.reward.scorers import default_compute_score
 
 class RewardScoringError(RuntimeError):
     """A scoring function raised or returned something that is not a number."""
+
+
+class RewardTimeoutError(TimeoutError):
+    """A batch's scoring did not finish within ``reward.timeout_s``."""
 
 
 @dataclass
@@ -72,6 +79,7 @@ class RewardManager:
         self.compute_score = compute_score or functools.partial(default_compute_score, lenient=bool(reward_config.lenient_answers))
         self.score_name = getattr(compute_score, "__name__", "compute_score") if compute_score else "default_compute_score"
         self.mode, self.reward_fn_key, self.on_error = reward_config.reward_manager, data_config.reward_fn_key, reward_config.on_error
+        self.timeout_s = reward_config.timeout_s
         overlong = reward_config.overlong_buffer
         self.overlong_enabled = bool(overlong.enable)
         self.overlong_len = int(overlong.len)
@@ -93,7 +101,7 @@ class RewardManager:
             sources = [str(s) for s in batch.non_tensors[self.reward_fn_key]]
             truths = [rm.get("ground_truth") if isinstance(rm, dict) else None for rm in batch.non_tensors[REWARD_MODEL]]
             extras = list(batch.non_tensors[EXTRA_INFO]) if EXTRA_INFO in batch.non_tensors else [{}] * len(batch)
-            scores, extra_info, failures = self._score(sources, solutions, truths, extras)
+            scores, extra_info, failures = self._score_in_time(sources, solutions, truths, extras)
             scores_t = torch.tensor(scores, dtype=torch.float32)
         metrics = {"reward/score_failures": float(failures)}
         if self.overlong_enabled:
@@ -108,7 +116,35 @@ class RewardManager:
         token_level_scores[rows, (lengths - 1).clamp(min=0)] = scores_t * (lengths > 0).float()
         return RewardResult(token_level_scores, extra_info, metrics)
 
-    def _score(self, sources: list[str], solutions: list[str], truths: list, extras: list) -> tuple[list[float], dict[str, list], int]:
+    def _score_in_time(self, sources: list[str], solutions: list[str], truths: list, extras: list) -> tuple[list[float], dict[str, list], int]:
+        """:meth:`_score` within ``timeout_s`` (in a daemon thread that is abandoned when it takes longer)."""
+        if self.timeout_s is None:
+            return self._score(sources, solutions, truths, extras)
+        progress: dict[str, Any] = {"sample": 0}
+        outcome: dict[str, Any] = {}
+
+        def score() -> None:
+            try:
+                outcome["result"] = self._score(sources, solutions, truths, extras, progress)
+            except BaseException as error:  # noqa: BLE001 - raised again in the caller's thread
+                outcome["error"] = error
+
+        thread = threading.Thread(target=score, name="ppoflow-reward", daemon=True)
+        thread.start()
+        thread.join(self.timeout_s)
+        if thread.is_alive():
+            where = (f"the batch of {len(sources)}" if self.mode == "batch" else
+                     f"sample {progress['sample']} of {len(sources)}, data_source={sources[progress['sample']]!r}")
+            raise RewardTimeoutError(f"reward function {self.score_name!r} did not return within reward.timeout_s={self.timeout_s:g}s "
+                                     f"(on {where}): it hangs or is too slow; fix it, or raise reward.timeout_s (null: no limit)")
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["result"]
+
+    def _score(self, sources: list[str], solutions: list[str], truths: list, extras: list,
+               progress: dict[str, Any] | None = None) -> tuple[list[float], dict[str, list], int]:
+        """Score each sample (``progress["sample"]`` says which one is being scored)."""
+        progress = progress if progress is not None else {}
         n = len(sources)
         if self.mode == "batch":
             try:
@@ -119,6 +155,7 @@ class RewardManager:
                 return self._fail_all(error, n)
         scores, extra_info, failures = [], {}, 0
         for i in range(n):
+            progress["sample"] = i
             try:
                 result = results[i] if self.mode == "batch" else self.compute_score(
                     data_source=sources[i], solution_str=solutions[i], ground_truth=truths[i], extra_info=extras[i])

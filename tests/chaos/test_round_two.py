@@ -9,13 +9,19 @@ import sys
 import time
 
 import pytest
+import ray
+from mlflow.tracking import MlflowClient
 
+from flows.prefect_view import one_line
 from flows.tracking import open_store
+from flows.train import train
+from flows.workers import run_namespace
 from infra import stack, watchdog
 from rl_core.data.dataset import write_rows
 from rl_core.data.synthetic import addition_rows
+from rl_core.reward.manager import RewardTimeoutError
 from rl_core.step_checkpoint import StepCheckpoints
-from tests.conftest import ROOT, free_port
+from tests.conftest import ROOT, free_port, small_run_overrides
 
 
 def open_new_store(barrier, uri: str, results: dict, index: int) -> None:
@@ -179,3 +185,24 @@ def test_a_stale_stack_file_never_makes_down_kill_a_stranger(tmp_path, monkeypat
     finally:
         stranger.kill()
         ours.kill()
+
+
+def test_a_reward_function_that_hangs_fails_the_run_within_its_timeout(tmp_path, demo_cache, ray_address, prefect_api):
+    """It hung the run forever (rule rewards run in the controller; trainer.worker_timeout_s covers worker calls only),
+    the MLflow run RUNNING. (On the session's persistent cluster a failed run would keep its workers for a retry:
+    keep_workers=false stands for `ppoflow train`'s embedded cluster, which ends with the command.)"""
+    reward = tmp_path / "hangs.py"
+    reward.write_text("import time\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    time.sleep(600)\n")
+    started = time.monotonic()
+    with pytest.raises(RewardTimeoutError) as raised:
+        train(overrides=small_run_overrides(tmp_path, demo_cache, f"custom_reward_function.path={reward}", "reward.timeout_s=2",
+                                            "trainer.val_before_train=false", "trainer.keep_workers=false"))
+    seconds = time.monotonic() - started
+    assert one_line(raised.value).startswith("RewardTimeoutError: reward function 'compute_score' did not return within "
+                                             "reward.timeout_s=2s (on sample 0 of 16, data_source='ppoflow/addition')")
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    [run] = client.search_runs([client.get_experiment_by_name("ppoflow").experiment_id])
+    assert run.info.status == "FAILED" and run.data.tags["ppoflow.error"].startswith("RewardTimeoutError")
+    assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == run_namespace(run.info.run_id)]
+    print(f"failed in {seconds:.1f} s (start-up included)")

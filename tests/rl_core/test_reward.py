@@ -2,6 +2,7 @@
 
 import math
 import textwrap
+import time
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ import torch
 from rl_core.batch import Batch
 from rl_core.config import DataConfig, OverlongBufferConfig, RewardConfig
 from rl_core.reward.custom import load_custom_reward_function
-from rl_core.reward.manager import RewardManager, RewardScoringError
+from rl_core.reward.manager import RewardManager, RewardScoringError, RewardTimeoutError
 from rl_core.reward.math_rules import last_boxed
 from rl_core.reward.scorers import addition_score, default_compute_score
 
@@ -126,3 +127,18 @@ def test_the_overlong_penalty_applies_to_reward_model_scores_too():
                             DataConfig(max_response_length=12))
     result = manager(batch, rm_scores)
     assert result.token_level_scores.sum(-1).tolist() == pytest.approx([2.0, 1.5]) and result.extra_info["overlong"] == [False, True]
+
+
+def test_a_hanging_scorer_fails_the_batch_naming_the_sample_within_the_timeout():
+    def hangs_on_b(data_source, solution_str, ground_truth, extra_info):
+        if solution_str == "b":
+            time.sleep(600)  # abandoned in its daemon thread
+        return 1.0
+
+    started = time.monotonic()
+    with pytest.raises(RewardTimeoutError, match=r"'hangs_on_b' did not return within reward.timeout_s=0.5s \(on sample 1 of 3, "
+                                                 r"data_source='d'\)"):
+        RewardManager(CharTokenizer(), hangs_on_b, RewardConfig(timeout_s=0.5))(response_batch(["a", "b", "c"], ["d"] * 3, ["a"] * 3))
+    assert time.monotonic() - started < 2
+    scored = RewardManager(CharTokenizer(), lambda **kw: 2.0, RewardConfig(timeout_s=None))(response_batch(["a"], ["d"], ["a"]))
+    assert scored.token_level_scores.sum().item() == 2.0  # no limit: scored in the caller's thread
