@@ -14,6 +14,7 @@ from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
 from flows.secrets import SECRET_OVERRIDES_ENV, hide_secret_overrides
 from flows.train import train
+from rl_core.input_checks import InputError
 from rl_core.step_checkpoint import CheckpointError, StepCheckpoints
 from tests.conftest import small_run_overrides
 from tests.flows.conftest import metric_history
@@ -52,7 +53,7 @@ def test_a_second_run_in_a_folder_in_use_is_refused_at_once(tmp_path, demo_cache
     holder = StepCheckpoints(tmp_path / "checkpoints").lock({"run": "the-first-run"})
     try:
         started = time.monotonic()
-        with pytest.raises(CheckpointError, match=rf"checkpoints is in use by run the-first-run \(pid {os.getpid()}, started"):
+        with pytest.raises(InputError, match=rf"trainer.default_local_dir: folder .*checkpoints is in use by run the-first-run \(pid {os.getpid()}, started"):
             train(overrides=overrides)
         assert time.monotonic() - started < 10
         assert not (tmp_path / "mlflow.db").exists()  # refused before any MLflow run exists
@@ -67,7 +68,8 @@ def test_a_damaged_latest_checkpoint_is_skipped_for_the_previous_one(tmp_path, d
     (checkpoints.step_dir(3) / "actor" / "model.safetensors").unlink()
     client = MlflowClient(first["tracking_uri"])
     # naming the damaged one: refused with the fix, and the finished run is left as it was
-    with pytest.raises(CheckpointError, match=r"global_step_3 is damaged: actor/model.safetensors is missing; .*global_step_2 is intact"):
+    with pytest.raises(InputError, match=r"trainer.resume_from_path: checkpoint .*global_step_3 is damaged: actor/model.safetensors is missing; "
+                                         r".*global_step_2 is intact"):
         train(overrides=small_run_overrides(tmp_path, demo_cache, *settings, "trainer.resume_mode=resume_path",
                                             f"trainer.resume_from_path={checkpoints.step_dir(3)}"))
     assert client.get_run(first["run_id"]).info.status == "FINISHED"
