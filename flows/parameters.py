@@ -21,7 +21,7 @@ from rl_core.algos import ADVANTAGE_ESTIMATORS
 from rl_core.config import default_config
 
 DEFAULTS = default_config()
-DEMO_PROFILE = demo_profile()
+PROFILE_VALUES = demo_profile()  # the embedded demo's values
 Algorithm = Literal[tuple(sorted(ADVANTAGE_ESTIMATORS))]  # type: ignore[valid-type]
 
 # form field -> the config key it sets
@@ -44,7 +44,7 @@ FIELD_KEYS = {
 
 
 def set_by_demo_profile(field: str) -> bool:
-    return OmegaConf.select(DEMO_PROFILE, FIELD_KEYS[field]) is not None
+    return OmegaConf.select(PROFILE_VALUES, FIELD_KEYS[field]) is not None
 
 
 def default(field: str) -> Any:
@@ -57,7 +57,7 @@ def profile_note(field: str) -> str:
     key = FIELD_KEYS[field]
     config_default = OmegaConf.select(DEFAULTS, key)
     shown = "trainer.total_epochs passes" if config_default is None else config_default
-    return f"empty = {shown} ({OmegaConf.select(DEMO_PROFILE, key)} with the embedded model)"
+    return f"empty = {shown} ({OmegaConf.select(PROFILE_VALUES, key)} with the embedded model)"
 
 
 def hydra_value(value: Any) -> str:

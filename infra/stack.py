@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 
 from infra.cluster import INLINE_OBJECTS_ENV, LOCAL_CLUSTER_ENV, LOOPBACK_ENV, secure_auth_token
-from infra.watchdog import stat
+from infra.watchdog import all_stats, stat
 
 HOST = "127.0.0.1"
 DEFAULT_PORTS = {"prefect": 4200, "mlflow": 5000, "ray": 6379}
@@ -69,12 +69,8 @@ class Service:
     def _left_behind(self) -> list[int]:
         if self.started is None:
             return []
-        found = []
-        for entry in os.scandir("/proc"):
-            if entry.name.isdigit() and (other := stat(int(entry.name))) and other[2] == self.pid and other[0] != "Z" \
-                    and other[3] >= self.started and int(entry.name) != self.pid:
-                found.append(int(entry.name))
-        return found
+        return [pid for pid, (state, _, group, started) in all_stats().items()
+                if group == self.pid and pid != self.pid and state != "Z" and started >= self.started]
 
     def alive(self) -> bool:
         return bool(self.members())

@@ -34,13 +34,14 @@ def stat(pid: int) -> tuple[str, int, int, int] | None:
     return fields[0], int(fields[1]), int(fields[2]), int(fields[19])
 
 
+def all_stats() -> dict[int, tuple[str, int, int, int]]:
+    """pid -> :func:`stat` of every process."""
+    return {int(entry.name): found for entry in os.scandir("/proc") if entry.name.isdigit() and (found := stat(int(entry.name)))}
+
+
 def processes() -> dict[int, tuple[int, int]]:
     """pid -> (parent pid, start time in clock ticks since boot) of every process."""
-    table = {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit() and (found := stat(int(entry.name))) is not None:
-            table[int(entry.name)] = (found[1], found[3])
-    return table
+    return {pid: (parent, started) for pid, (_, parent, _, started) in all_stats().items()}
 
 
 def descendants(root: int, table: dict[int, tuple[int, int]]) -> dict[int, int]:

@@ -11,7 +11,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from infra.stack import port_open
-from infra.watchdog import stat
+from infra.watchdog import all_stats
 from tests.conftest import ROOT, free_port
 
 
@@ -21,8 +21,7 @@ def ppoflow(env: dict, *args: str, timeout: float = 300, cwd=ROOT) -> subprocess
 
 def process_group_alive(pgid: int) -> bool:
     """A live (not zombie: an orphan's exit may not be reaped at once) process is in the group."""
-    return any(entry.name.isdigit() and (found := stat(int(entry.name))) is not None and found[2] == pgid and found[0] != "Z"
-               for entry in os.scandir("/proc"))
+    return any(group == pgid and state != "Z" for state, _, group, _ in all_stats().values())
 
 
 @pytest.fixture()

@@ -17,6 +17,7 @@ from rl_core.models.loading import has_attention, load_policy_model
 from rl_core.models.logprob import response_log_probs
 from rl_core.models.tiny import make_tiny_model
 from rl_core.ppo_step import StepWorkers, run_ppo_step
+from rl_core.rollout import build_rollout_engine
 from rl_core.reward.manager import RewardManager
 from rl_core.workers import ActorRolloutRefWorker, CriticWorker
 from tests.rl_core.helpers import addition_dataset, checkpoints_activations
@@ -58,8 +59,6 @@ def test_a_family_loads_and_its_padding_free_forward_equals_the_padded_one(famil
     assert family != "gemma2" or transformers.__version__ < "5" or model.config._attn_implementation == "eager"
     prompts = addition_dataset(tmp_path, tokenizer, config.data, count=4).collate([0, 1, 2, 3]).repeat_interleave(2)
     engine_config = config.actor_rollout_ref.rollout
-    from rl_core.rollout import build_rollout_engine
-
     sequences = build_rollout_engine("hf", model=model, tokenizer=tokenizer, rollout_config=engine_config).generate_sequences(prompts)
     args = [sequences.tensors[k] for k in ("input_ids", "attention_mask", "position_ids")] + [sequences.tensors["responses"].shape[1]]
     mask = sequences.tensors["response_mask"].bool()

@@ -101,7 +101,8 @@ class VLLMRolloutEngine:
         settings = sampling_params(self.config, prompts.meta_info)
         step = prompts.meta_info.get("global_step")
         group, counts = self._tensor_parallel_prompts(prompts)
-        group_rank = data_parallel_rank() - data_parallel_rank() % self.tp_size  # the TP group's ranks send the same requests
+        rank = data_parallel_rank()
+        group_rank = rank - rank % self.tp_size  # the TP group's ranks send the same requests
         requests, params = [], []
         for i in range(len(group)):
             ids = group.tensors[INPUT_IDS][i][group.tensors[ATTENTION_MASK][i].bool()].tolist()  # left padding dropped
@@ -116,7 +117,7 @@ class VLLMRolloutEngine:
             if self.sleeps:
                 self.llm.sleep(level=2)
         if counts is not None:  # keep this TP rank's own prompts' samples
-            rows = tensor_parallel_slice(counts, data_parallel_rank() % self.tp_size)
+            rows = tensor_parallel_slice(counts, rank % self.tp_size)
             outputs, group = outputs[rows], prompts
         return self._to_batch(group, outputs, settings.temperature)
 
