@@ -3,6 +3,7 @@ ui/server.py over an MLflow store that holds a real 3-step training run and a ru
 
 import os
 import shutil
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -59,8 +60,10 @@ def server(store):
 
 @pytest.fixture(scope="module")
 def browser():
+    if not (shutil.which("chromium") and shutil.which("chromedriver")):  # a fresh machine: install them, as .ci/run does
+        installed = subprocess.run([str(Path(__file__).with_name("install_chromium.sh"))], capture_output=True, text=True)
+        assert installed.returncode == 0, f"the page tests need Debian's chromium and chromium-driver: {installed.stderr[-500:]}"
     chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
-    assert chromium and driver, "the page tests need Debian's chromium and chromium-driver (.ci/run installs them)"
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1400,2400"):
