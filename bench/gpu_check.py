@@ -9,7 +9,8 @@ here. It runs rl_core's own step (:func:`rl_core.ppo_step.run_ppo_step`) on in-p
 
 1. Numbers: a tiny model's response log-probs and one actor update computed on ``--device`` in bf16 against the same
    in float32 on the CPU (``parity/*``: the largest log-prob difference, the relative difference of the weight update).
-2. Speed: ``--steps`` GRPO steps of the larger model (verl's defaults with a KL loss and a reference policy, one PPO epoch),
+2. Speed: ``--steps`` GRPO steps of the larger model (verl's defaults with a KL loss and a reference policy, one PPO
+epoch),
    the first a warm-up; per-step medians of rollout tokens/s (valid response tokens / generate time), training tokens/s
    (tokens of the batch / update_actor time), ``perf/mfu/actor`` and the peak CUDA memory (peak RSS on the CPU).
 
@@ -45,13 +46,20 @@ from rl_core.reward.manager import RewardManager  # noqa: E402
 from rl_core.workers import ActorRolloutRefWorker  # noqa: E402
 
 # Qwen2-0.5B's dimensions (random weights: nothing is downloaded)
-QWEN2_05B = {"hidden_size": 896, "num_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2, "intermediate_size": 4864,
-             "vocab_size": 151936, "max_position_embeddings": 4096}
+QWEN2_05B = {
+    "hidden_size": 896,
+    "num_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "intermediate_size": 4864,
+    "vocab_size": 151936,
+    "max_position_embeddings": 4096,
+}
 TINY = {"hidden_size": 64, "num_layers": 2}
 # (model shape, prompts per step, samples per prompt, response tokens) of the speed part, per device
 WORKLOADS = {"cuda": (QWEN2_05B, 64, 4, 128), "cpu": (TINY, 4, 2, 8)}
-LOG_PROB_TOLERANCE = 0.15      # bf16 has 8 mantissa bits: log-probs agree to ~1e-2 on the tiny model
-UPDATE_TOLERANCE = 0.25        # relative difference of the bf16 and float32 weight updates
+LOG_PROB_TOLERANCE = 0.15  # bf16 has 8 mantissa bits: log-probs agree to ~1e-2 on the tiny model
+UPDATE_TOLERANCE = 0.25  # relative difference of the bf16 and float32 weight updates
 
 
 def resolve_interpolations(node: object, root: object) -> None:
@@ -68,7 +76,9 @@ def resolve_interpolations(node: object, root: object) -> None:
             setattr(node, field.name, target)
 
 
-def run_config(model_path: Path, data_path: Path, prompts: int, n: int, response_length: int, compute_dtype: str) -> PPOTrainerConfig:
+def run_config(
+    model_path: Path, data_path: Path, prompts: int, n: int, response_length: int, compute_dtype: str
+) -> PPOTrainerConfig:
     """The default config (verl's) as GRPO with a KL loss (so a reference policy too), with this check's model, data and
     sizes (micro-batches of 16 responses per update, 32 per log-prob pass)."""
     config = PPOTrainerConfig()
@@ -81,7 +91,9 @@ def run_config(model_path: Path, data_path: Path, prompts: int, n: int, response
     config.data.max_response_length = response_length
     config.actor_rollout_ref.rollout.n = n
     config.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu = 16
-    config.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu = config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu = 32
+    config.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu = (
+        config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
+    ) = 32
     config.actor_rollout_ref.actor.optim.lr = 1e-5
     config.actor_rollout_ref.actor.fsdp_config.dtype = compute_dtype
     resolve_interpolations(config, config)
@@ -104,7 +116,8 @@ def build_worker(config: PPOTrainerConfig, device: str) -> ActorRolloutRefWorker
 
 # ---------------------------------------------------------------------------------------------- 1. numbers
 def parity(folder: Path, data_path: Path, device: str) -> dict[str, float]:
-    """bf16 on ``device`` against float32 on the CPU: log-probs of the same sequences, and one update from the same weights."""
+    """bf16 on ``device`` against float32 on the CPU: log-probs of the same sequences, and one update from the same
+    weights."""
     model_path = make_tiny_model(folder / "parity-model", seed=0)
     reference_config = run_config(model_path, data_path, 4, 2, 8, "float32")
     reference = build_worker(reference_config, "cpu")
@@ -122,17 +135,24 @@ def parity(folder: Path, data_path: Path, device: str) -> dict[str, float]:
     for worker in (reference, checked):
         before = {k: v.detach().float().cpu().clone() for k, v in worker.module.state_dict().items()}
         worker.update_actor(update)
-        deltas.append(torch.cat([(v.detach().float().cpu() - before[k]).flatten() for k, v in worker.module.state_dict().items()]))
+        deltas.append(
+            torch.cat([(v.detach().float().cpu() - before[k]).flatten() for k, v in worker.module.state_dict().items()])
+        )
     update_error = float((deltas[0] - deltas[1]).norm() / deltas[0].norm())
-    return {"parity/max_log_prob_error": log_prob_error, "parity/update_relative_error": update_error,
-            "parity/ok": float(log_prob_error < LOG_PROB_TOLERANCE and update_error < UPDATE_TOLERANCE)}
+    return {
+        "parity/max_log_prob_error": log_prob_error,
+        "parity/update_relative_error": update_error,
+        "parity/ok": float(log_prob_error < LOG_PROB_TOLERANCE and update_error < UPDATE_TOLERANCE),
+    }
 
 
 # ---------------------------------------------------------------------------------------------- 2. speed
 def speed(folder: Path, data_path: Path, device: str, steps: int) -> dict[str, float]:
     shape, prompts, n, response_length = WORKLOADS[device]
     shape = dict(shape)
-    model_path = make_tiny_model(folder / "model", seed=0, hidden_size=shape.pop("hidden_size"), num_layers=shape.pop("num_layers"), **shape)
+    model_path = make_tiny_model(
+        folder / "model", seed=0, hidden_size=shape.pop("hidden_size"), num_layers=shape.pop("num_layers"), **shape
+    )
     config = run_config(model_path, data_path, prompts, n, response_length, "auto")
     worker = build_worker(config, device)
     data = RLDataset(str(data_path), worker.tokenizer, config.data)
@@ -143,17 +163,26 @@ def speed(folder: Path, data_path: Path, device: str, steps: int) -> dict[str, f
     for step in range(1, steps + 1):
         started = time.perf_counter()
         batch, metrics = run_ppo_step(config, StepWorkers(actor=worker), data, sampler, reward, kl_controller, step)
-        rows.append({
-            "step_s": time.perf_counter() - started,
-            "rollout_tokens_per_s": float(batch.tensors[RESPONSE_MASK].sum()) / metrics["timing_s/gen"],
-            "train_tokens_per_s": float(batch.tensors[ATTENTION_MASK].sum()) / metrics["timing_s/update_actor"],
-            "rollout_probs_diff_max": metrics["training/rollout_probs_diff_max"],  # bf16 sampling vs bf16 recomputation
-            "mfu": metrics.get("perf/mfu/actor"),  # None on the CPU or an unknown GPU (rl_core.models.flops)
-            "peak_memory_gb": metrics.get("perf/max_memory_allocated_gb", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20),
-        })
+        rows.append(
+            {
+                "step_s": time.perf_counter() - started,
+                "rollout_tokens_per_s": float(batch.tensors[RESPONSE_MASK].sum()) / metrics["timing_s/gen"],
+                "train_tokens_per_s": float(batch.tensors[ATTENTION_MASK].sum()) / metrics["timing_s/update_actor"],
+                "rollout_probs_diff_max": metrics[
+                    "training/rollout_probs_diff_max"
+                ],  # bf16 sampling vs bf16 recomputation
+                "mfu": metrics.get("perf/mfu/actor"),  # None on the CPU or an unknown GPU (rl_core.models.flops)
+                "peak_memory_gb": metrics.get(
+                    "perf/max_memory_allocated_gb", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+                ),
+            }
+        )
         print(f"step {step}: " + "  ".join(f"{k} {v:.4g}" for k, v in rows[-1].items() if v is not None), flush=True)
     measured = rows[1:] or rows  # the first step warms up (allocator, kernels, compilation)
-    result = {key: statistics.median(r[key] for r in measured) for key in ("step_s", "rollout_tokens_per_s", "train_tokens_per_s")}
+    result = {
+        key: statistics.median(r[key] for r in measured)
+        for key in ("step_s", "rollout_tokens_per_s", "train_tokens_per_s")
+    }
     result["rollout_probs_diff_max"] = max(r["rollout_probs_diff_max"] for r in measured)
     result["mfu"] = statistics.median(r["mfu"] for r in measured) if measured[0]["mfu"] is not None else None
     result["peak_memory_gb"] = max(r["peak_memory_gb"] for r in rows)
@@ -172,8 +201,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         data_path = write_rows(addition_rows(512, seed=0, max_operand=9), folder / "train.jsonl")
-        result = {"device": args.device, "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
-                  **parity(folder, data_path, args.device), **speed(folder, data_path, args.device, args.steps)}
+        result = {
+            "device": args.device,
+            "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+            **parity(folder, data_path, args.device),
+            **speed(folder, data_path, args.device, args.steps),
+        }
     result["wall_s"] = time.perf_counter() - started
     print(f"\n{'figure':32} value")
     for key, value in result.items():

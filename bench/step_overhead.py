@@ -31,9 +31,18 @@ EXTRA: list[str] = []
 
 
 def overrides(folder: str, steps: int, batch: int) -> list[str]:
-    return [f"trainer.total_training_steps={steps}", f"data.train_batch_size={batch}", "trainer.test_freq=-1", "trainer.save_freq=-1",
-            "trainer.val_before_train=false", "trainer.log_samples_freq=-1", f"trainer.default_local_dir={folder}/checkpoints",
-            f"trainer.tracking_uri=sqlite:///{folder}/mlflow.db", f"trainer.artifact_location={folder}/mlartifacts", *EXTRA]
+    return [
+        f"trainer.total_training_steps={steps}",
+        f"data.train_batch_size={batch}",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "trainer.val_before_train=false",
+        "trainer.log_samples_freq=-1",
+        f"trainer.default_local_dir={folder}/checkpoints",
+        f"trainer.tracking_uri=sqlite:///{folder}/mlflow.db",
+        f"trainer.artifact_location={folder}/mlartifacts",
+        *EXTRA,
+    ]
 
 
 def direct_steps(settings: list[str]) -> list[float]:
@@ -50,7 +59,9 @@ def direct_steps(settings: list[str]) -> list[float]:
     config = compose_config(settings)
     apply_embedded_defaults(config)
     config.actor_rollout_ref.actor.optim.total_training_steps = config.trainer.total_training_steps
-    actor = ActorRolloutRefWorker(config.actor_rollout_ref, "actor_rollout_ref" if use_reference(config) else "actor_rollout")
+    actor = ActorRolloutRefWorker(
+        config.actor_rollout_ref, "actor_rollout_ref" if use_reference(config) else "actor_rollout"
+    )
     actor.init_model()
     data = RLDataset(config.data.train_files, actor.tokenizer, config.data)
     sampler = ResumableSampler(len(data), config.data.train_batch_size, config.data.shuffle, config.data.seed)
@@ -81,23 +92,41 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5, help="leading steps left out of the medians")
-    parser.add_argument("--batch", type=int, default=128, help="prompts per step (x rollout.n = 8 responses each); 128 makes a ~1 s step here")
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=128,
+        help="prompts per step (x rollout.n = 8 responses each); 128 makes a ~1 s step here",
+    )
     parser.add_argument("overrides", nargs="*", help="more Hydra overrides for both paths")
     args = parser.parse_args()
     EXTRA.extend(args.overrides)
     with tempfile.TemporaryDirectory() as folder:
         settings = overrides(folder, args.steps, args.batch)
-        direct_before = direct_steps(settings)[args.warmup:]
-        flow = flow_steps(settings)[args.warmup:]
-        direct_after = direct_steps(settings)[args.warmup:]
+        direct_before = direct_steps(settings)[args.warmup :]
+        flow = flow_steps(settings)[args.warmup :]
+        direct_after = direct_steps(settings)[args.warmup :]
     direct = direct_before + direct_after
     direct_median, flow_median = statistics.median(direct), statistics.median(flow)
     print(f"{'path':<32}{'median step (s)':>16}{'min (s)':>10}{'max (s)':>10}")
-    for name, times in (("direct, before the flow", direct_before), ("flow (Prefect tasks, Ray)", flow), ("direct, after the flow", direct_after)):
+    for name, times in (
+        ("direct, before the flow", direct_before),
+        ("flow (Prefect tasks, Ray)", flow),
+        ("direct, after the flow", direct_after),
+    ):
         print(f"{name:<32}{statistics.median(times):>16.3f}{min(times):>10.3f}{max(times):>10.3f}")
-    print(json.dumps({"steps": args.steps, "batch": args.batch, "direct_median_s": round(direct_median, 4), "flow_median_s": round(flow_median, 4),
-                      "ratio": round(flow_median / direct_median, 3),
-                      "direct_drift": round(statistics.median(direct_after) / statistics.median(direct_before), 3)}))
+    print(
+        json.dumps(
+            {
+                "steps": args.steps,
+                "batch": args.batch,
+                "direct_median_s": round(direct_median, 4),
+                "flow_median_s": round(flow_median, 4),
+                "ratio": round(flow_median / direct_median, 3),
+                "direct_drift": round(statistics.median(direct_after) / statistics.median(direct_before), 3),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -18,9 +18,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: its tests' run builder
 
-from tests.ui.test_store import log_long_run  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
+from tests.ui.test_store import log_long_run  # noqa: E402
 from ui.store import CURVES, RunStore  # noqa: E402
 
 
@@ -38,7 +38,11 @@ def main() -> None:
         MlflowClient(uri).set_terminated(run_id)
         logging_s = time.perf_counter() - started
         store = RunStore(uri)
-        calls = {"runs": lambda: store.runs("long"), "curves": lambda: store.curves([run_id]), "timeline": lambda: store.timeline(run_id)}
+        calls = {
+            "runs": lambda: store.runs("long"),
+            "curves": lambda: store.curves([run_id]),
+            "timeline": lambda: store.timeline(run_id),
+        }
         first, repeated = {}, {}
         for name, call in calls.items():
             samples = []
@@ -51,9 +55,18 @@ def main() -> None:
     print(f"{'API call':<12}{'first (s)':>12}{'polling (s)':>14}")
     for name in calls:
         print(f"{name:<12}{first[name]:>12.3f}{repeated[name]:>14.3f}")
-    print(json.dumps({"steps": args.steps, "metrics": len(names), "logging_s": round(logging_s, 1), "max_points_per_curve": points,
-                      **{f"{name}_first_s": round(first[name], 3) for name in calls},
-                      **{f"{name}_polling_s": round(repeated[name], 3) for name in calls}}))
+    print(
+        json.dumps(
+            {
+                "steps": args.steps,
+                "metrics": len(names),
+                "logging_s": round(logging_s, 1),
+                "max_points_per_curve": points,
+                **{f"{name}_first_s": round(first[name], 3) for name in calls},
+                **{f"{name}_polling_s": round(repeated[name], 3) for name in calls},
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

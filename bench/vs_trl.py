@@ -56,7 +56,9 @@ def greedy_accuracy(model_dir: str, val_file: str) -> float:
     from rl_core.reward.manager import build_reward_manager
     from rl_core.workers import ActorRolloutRefWorker
 
-    config = compose_config(["+profile=demo", f"actor_rollout_ref.model.path={model_dir}", f"data.val_files={val_file}"])
+    config = compose_config(
+        ["+profile=demo", f"actor_rollout_ref.model.path={model_dir}", f"data.val_files={val_file}"]
+    )
     config.actor_rollout_ref.actor.optim.total_training_steps = 1
     worker = ActorRolloutRefWorker(config.actor_rollout_ref, "actor_rollout")
     worker.init_model()
@@ -75,31 +77,66 @@ def run_ppoflow(args: argparse.Namespace, folder: str, model: str, train: str, v
 
     configure_prefect()
     start_temporary_server()()  # the wait for it
-    result = train_flow(overrides=[
-        "+profile=demo", f"actor_rollout_ref.model.path={model}", f"data.train_files={train}", f"data.val_files={val}",
-        "actor_rollout_ref.actor.use_kl_loss=false", "actor_rollout_ref.actor.recompute_old_log_prob=false",
-        f"trainer.total_training_steps={args.steps}", "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.save_freq=-1",
-        "trainer.log_samples_freq=-1", f"trainer.default_local_dir={folder}/checkpoints", f"trainer.tracking_uri=sqlite:///{folder}/mlflow.db",
-        f"trainer.artifact_location={folder}/mlartifacts", *algorithm])
+    result = train_flow(
+        overrides=[
+            "+profile=demo",
+            f"actor_rollout_ref.model.path={model}",
+            f"data.train_files={train}",
+            f"data.val_files={val}",
+            "actor_rollout_ref.actor.use_kl_loss=false",
+            "actor_rollout_ref.actor.recompute_old_log_prob=false",
+            f"trainer.total_training_steps={args.steps}",
+            "trainer.test_freq=-1",
+            "trainer.val_before_train=false",
+            "trainer.save_freq=-1",
+            "trainer.log_samples_freq=-1",
+            f"trainer.default_local_dir={folder}/checkpoints",
+            f"trainer.tracking_uri=sqlite:///{folder}/mlflow.db",
+            f"trainer.artifact_location={folder}/mlartifacts",
+            *algorithm,
+        ]
+    )
     client = MlflowClient(result["tracking_uri"])
-    history = {name: [m.value for m in sorted(client.get_metric_history(result["run_id"], name), key=lambda m: m.step)]
-               for name in ("perf/time_per_step", "perf/total_num_tokens")}
-    return {"step_s": history["perf/time_per_step"], "tokens": history["perf/total_num_tokens"],
-            "model_dir": str(Path(result["checkpoint_dir"]) / "actor")}
+    history = {
+        name: [m.value for m in sorted(client.get_metric_history(result["run_id"], name), key=lambda m: m.step)]
+        for name in ("perf/time_per_step", "perf/total_num_tokens")
+    }
+    return {
+        "step_s": history["perf/time_per_step"],
+        "tokens": history["perf/total_num_tokens"],
+        "model_dir": str(Path(result["checkpoint_dir"]) / "actor"),
+    }
 
 
 def run_ppoflow_grpo(args: argparse.Namespace, folder: str, model: str, train: str, val: str) -> dict:
-    return run_ppoflow(args, folder, model, train, val, f"data.train_batch_size={args.prompts}", f"actor_rollout_ref.rollout.n={args.n}",
-                       f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts}")
+    return run_ppoflow(
+        args,
+        folder,
+        model,
+        train,
+        val,
+        f"data.train_batch_size={args.prompts}",
+        f"actor_rollout_ref.rollout.n={args.n}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts}",
+    )
 
 
 def run_ppoflow_ppo(args: argparse.Namespace, folder: str, model: str, train: str, val: str) -> dict:
     """PPO with a critic (GAE), one response per prompt: ``--prompts`` x ``--n`` prompts per step (as many responses
     as the GRPO rows), the critic updated on the same single mini-batch."""
     size = args.prompts * args.n
-    return run_ppoflow(args, folder, model, train, val, "algorithm.adv_estimator=gae", f"data.train_batch_size={size}",
-                       "actor_rollout_ref.rollout.n=1", f"actor_rollout_ref.actor.ppo_mini_batch_size={size}",
-                       f"critic.ppo_mini_batch_size={size}")
+    return run_ppoflow(
+        args,
+        folder,
+        model,
+        train,
+        val,
+        "algorithm.adv_estimator=gae",
+        f"data.train_batch_size={size}",
+        "actor_rollout_ref.rollout.n=1",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={size}",
+        f"critic.ppo_mini_batch_size={size}",
+    )
 
 
 class StepTimer(TrainerCallback):
@@ -133,21 +170,49 @@ def run_trl_grpo(args: argparse.Namespace, folder: str, model: str, train: str, 
     from rl_core.reward.scorers import default_compute_score
 
     demo = compose_config([])
-    rows = [{"prompt": r["prompt"], "ground_truth": r["reward_model"]["ground_truth"], "data_source": r["data_source"]} for r in read_rows(train)]
+    rows = [
+        {"prompt": r["prompt"], "ground_truth": r["reward_model"]["ground_truth"], "data_source": r["data_source"]}
+        for r in read_rows(train)
+    ]
 
     def rule_reward(completions, ground_truth, data_source, **_):
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         return [float(default_compute_score(s, t, g)) for s, t, g in zip(data_source, texts, ground_truth)]
 
     tokenizer = AutoTokenizer.from_pretrained(model, padding_side="left")
-    config = GRPOConfig(output_dir=f"{folder}/trl", per_device_train_batch_size=args.prompts * args.n, num_generations=args.n,
-                        max_completion_length=demo.data.max_response_length, learning_rate=demo.actor_rollout_ref.actor.optim.lr,
-                        lr_scheduler_type="constant", beta=0.0, num_iterations=1, gradient_accumulation_steps=1, max_steps=args.steps,
-                        temperature=1.0, top_k=0, top_p=1.0, loss_type="dapo", scale_rewards="group", use_cpu=True, bf16=False,
-                        report_to=[], logging_steps=1, save_strategy="no", seed=0, disable_tqdm=True)
+    config = GRPOConfig(
+        output_dir=f"{folder}/trl",
+        per_device_train_batch_size=args.prompts * args.n,
+        num_generations=args.n,
+        max_completion_length=demo.data.max_response_length,
+        learning_rate=demo.actor_rollout_ref.actor.optim.lr,
+        lr_scheduler_type="constant",
+        beta=0.0,
+        num_iterations=1,
+        gradient_accumulation_steps=1,
+        max_steps=args.steps,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        loss_type="dapo",
+        scale_rewards="group",
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+    )
     timer = StepTimer()
-    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model), reward_funcs=rule_reward, args=config,
-                          train_dataset=Dataset.from_list(rows), processing_class=tokenizer, callbacks=[timer])
+    trainer = GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(model),
+        reward_funcs=rule_reward,
+        args=config,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        callbacks=[timer],
+    )
     trainer.train()
     trainer.save_model(f"{folder}/trl-final")
     tokenizer.save_pretrained(f"{folder}/trl-final")
@@ -187,32 +252,64 @@ def run_trl_ppo(args: argparse.Namespace, folder: str, model: str, train: str, v
             values = torch.zeros(*input_ids.shape, 1)
             ends = attention_mask & ~torch.nn.functional.pad(attention_mask[:, 1:], (0, 1), value=False)
             for row, end in ends.nonzero().tolist():
-                text = tokenizer.decode(input_ids[row, : end + 1][attention_mask[row, : end + 1]], skip_special_tokens=True)
+                text = tokenizer.decode(
+                    input_ids[row, : end + 1][attention_mask[row, : end + 1]], skip_special_tokens=True
+                )
                 question, _, answer = text.rpartition("assistant\n")
                 a, b = map(int, re.findall(r"(\d+)\+(\d+)=", question)[-1])
                 values[row, end, 0] = float(default_compute_score(DATA_SOURCE, answer, str(a + b)))
             return SimpleNamespace(hidden_states=(values,))
 
     size = args.prompts * args.n
-    config = PPOConfig(output_dir=f"{folder}/trl", per_device_train_batch_size=size, gradient_accumulation_steps=1, num_ppo_epochs=1,
-                       num_mini_batches=1, total_episodes=size * args.steps, local_rollout_forward_batch_size=size,
-                       response_length=demo.data.max_response_length, stop_token="eos", temperature=1.0,
-                       learning_rate=demo.actor_rollout_ref.actor.optim.lr, lr_scheduler_type="constant", kl_coef=0.0,
-                       num_sample_generations=0, use_cpu=True, bf16=False, report_to=[], logging_steps=1, save_strategy="no", seed=0,
-                       disable_tqdm=True)
+    config = PPOConfig(
+        output_dir=f"{folder}/trl",
+        per_device_train_batch_size=size,
+        gradient_accumulation_steps=1,
+        num_ppo_epochs=1,
+        num_mini_batches=1,
+        total_episodes=size * args.steps,
+        local_rollout_forward_batch_size=size,
+        response_length=demo.data.max_response_length,
+        stop_token="eos",
+        temperature=1.0,
+        learning_rate=demo.actor_rollout_ref.actor.optim.lr,
+        lr_scheduler_type="constant",
+        kl_coef=0.0,
+        num_sample_generations=0,
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+    )
     policy = AutoModelForCausalLM.from_pretrained(model)
     value = AutoModelForSequenceClassification.from_pretrained(model, num_labels=1)
     value.config.pad_token_id = tokenizer.pad_token_id
     timer = StepTimer()
-    trainer = PPOTrainer(args=config, processing_class=tokenizer, model=policy, ref_model=copy.deepcopy(policy), reward_model=RuleReward(),
-                         value_model=value, train_dataset=Dataset.from_list([{"input_ids": ids} for ids in prompts]), callbacks=[timer])
+    trainer = PPOTrainer(
+        args=config,
+        processing_class=tokenizer,
+        model=policy,
+        ref_model=copy.deepcopy(policy),
+        reward_model=RuleReward(),
+        value_model=value,
+        train_dataset=Dataset.from_list([{"input_ids": ids} for ids in prompts]),
+        callbacks=[timer],
+    )
     trainer.train()
     trainer.save_model(f"{folder}/trl-final")
     tokenizer.save_pretrained(f"{folder}/trl-final")
     return {"step_s": timer.step_s, "tokens": [], "model_dir": f"{folder}/trl-final"}
 
 
-RUNS = {"ppoflow-grpo": run_ppoflow_grpo, "trl-grpo": run_trl_grpo, "ppoflow-ppo": run_ppoflow_ppo, "trl-ppo": run_trl_ppo}
+RUNS = {
+    "ppoflow-grpo": run_ppoflow_grpo,
+    "trl-grpo": run_trl_grpo,
+    "ppoflow-ppo": run_ppoflow_ppo,
+    "trl-ppo": run_trl_ppo,
+}
 
 
 # ---------------------------------------------------------------------------------------------- measuring
@@ -246,8 +343,12 @@ def measure(name: str, argv: list[str]) -> dict:
 
 def summary(result: dict, warmup: int) -> dict:
     steps, tokens = result["step_s"][warmup:], result["tokens"][warmup:]
-    return {"step_median_s": round(statistics.median(steps), 4), "tokens_per_s": round(sum(tokens) / sum(steps), 1) if tokens else None,
-            "peak_rss_gb": round(result["peak_rss_gb"], 2), "val_accuracy": round(result["val_accuracy"], 4)}
+    return {
+        "step_median_s": round(statistics.median(steps), 4),
+        "tokens_per_s": round(sum(tokens) / sum(steps), 1) if tokens else None,
+        "peak_rss_gb": round(result["peak_rss_gb"], 2),
+        "val_accuracy": round(result["val_accuracy"], 4),
+    }
 
 
 def main() -> None:
@@ -271,14 +372,35 @@ def main() -> None:
     argv = [f"--steps={args.steps}", f"--prompts={args.prompts}", f"--n={args.n}", f"--cache={args.cache}"]
     before = greedy_accuracy(model, val)
     rows = {name: summary(measure(name, argv), args.warmup) for name in args.only or RUNS}
-    print(f"demo task, {args.steps} steps of {args.prompts} prompts x {args.n} responses; greedy validation accuracy before training {before:.3f}")
+    print(
+        f"demo task, {args.steps} steps of {args.prompts} prompts x {args.n} responses; greedy validation accuracy "
+        f"before training {before:.3f}"
+    )
     print(f"{'run':<14}{'step median (s)':>16}{'tokens/s':>10}{'peak RSS (GB)':>15}{'val accuracy':>14}")
     for name, row in rows.items():
         tokens = f"{row['tokens_per_s']:.0f}" if row["tokens_per_s"] else "-"
-        print(f"{name:<14}{row['step_median_s']:>16.3f}{tokens:>10}{row['peak_rss_gb']:>15.2f}{row['val_accuracy']:>14.3f}")
-    ratios = {f"{algo}_step_ratio_ppoflow_over_trl": round(rows[f"ppoflow-{algo}"]["step_median_s"] / rows[f"trl-{algo}"]["step_median_s"], 3)
-              for algo in ("grpo", "ppo") if f"ppoflow-{algo}" in rows and f"trl-{algo}" in rows}
-    print(json.dumps({"steps": args.steps, "prompts": args.prompts, "n": args.n, "val_accuracy_before": round(before, 4), **rows, **ratios}))
+        print(
+            f"{name:<14}{row['step_median_s']:>16.3f}{tokens:>10}{row['peak_rss_gb']:>15.2f}{row['val_accuracy']:>14.3f}"
+        )
+    ratios = {
+        f"{algo}_step_ratio_ppoflow_over_trl": round(
+            rows[f"ppoflow-{algo}"]["step_median_s"] / rows[f"trl-{algo}"]["step_median_s"], 3
+        )
+        for algo in ("grpo", "ppo")
+        if f"ppoflow-{algo}" in rows and f"trl-{algo}" in rows
+    }
+    print(
+        json.dumps(
+            {
+                "steps": args.steps,
+                "prompts": args.prompts,
+                "n": args.n,
+                "val_accuracy_before": round(before, 4),
+                **rows,
+                **ratios,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -28,7 +28,9 @@ def _list_algorithms(args: argparse.Namespace) -> int:
 def _make_tiny_model(args: argparse.Namespace) -> int:
     from rl_core.models.tiny import make_tiny_model
 
-    folder = make_tiny_model(args.out, seed=args.seed, hidden_size=args.hidden_size, num_layers=args.num_layers, family=args.family)
+    folder = make_tiny_model(
+        args.out, seed=args.seed, hidden_size=args.hidden_size, num_layers=args.num_layers, family=args.family
+    )
     print(f"wrote a tiny {args.family} checkpoint to {folder} (use it as actor_rollout_ref.model.path={folder})")
     return 0
 
@@ -49,18 +51,27 @@ def _use_stack() -> str:
     stack = active_stack()
     if stack is None:
         env = os.environ.get
-        return (f"no `ppoflow up` stack: Prefect {env('PREFECT_API_URL') or 'without a server'}, MLflow "
-                f"{env('MLFLOW_TRACKING_URI') or 'at trainer.tracking_uri'}, Ray {env('RAY_ADDRESS') or 'at trainer.ray.address, else a local one'}")
+        return (
+            f"no `ppoflow up` stack: Prefect {env('PREFECT_API_URL') or 'without a server'}, MLflow "
+            f"{env('MLFLOW_TRACKING_URI') or 'at trainer.tracking_uri'}, Ray "
+            f"{env('RAY_ADDRESS') or 'at trainer.ray.address, else a local one'}"
+        )
     for key, value in stack.env().items():
         os.environ.setdefault(key, value)
-    return (f"the ppoflow stack: Prefect {os.environ['PREFECT_API_URL']}, MLflow {os.environ['MLFLOW_TRACKING_URI']}, "
-            f"Ray {os.environ['RAY_ADDRESS']}")
+    return (
+        f"the ppoflow stack: Prefect {os.environ['PREFECT_API_URL']}, MLflow {os.environ['MLFLOW_TRACKING_URI']}, Ray "
+        f"{os.environ['RAY_ADDRESS']}"
+    )
 
 
 def _up(args: argparse.Namespace) -> int:
     from infra.stack import up
 
-    ports = {name: port for name, port in (("prefect", args.prefect_port), ("mlflow", args.mlflow_port), ("ray", args.ray_port)) if port}
+    ports = {
+        name: port
+        for name, port in (("prefect", args.prefect_port), ("mlflow", args.mlflow_port), ("ray", args.ray_port))
+        if port
+    }
     try:
         stack, started = up(args.data_dir, ports)
     except (RuntimeError, TimeoutError) as error:
@@ -95,7 +106,10 @@ def _status(args: argparse.Namespace) -> int:
     for name, service in stack.services.items():
         alive, answers = service.alive(), service.answers()
         healthy &= alive and answers
-        print(f"  {name:8} {service.url:32} pid {service.pid:<8} {'running' if alive else 'not running'}, {'answers' if answers else 'does not answer'}")
+        print(
+            f"  {name:8} {service.url:32} pid {service.pid:<8} {'running' if alive else 'not running'}, "
+            f"{'answers' if answers else 'does not answer'}"
+        )
     return 0 if healthy else 1
 
 
@@ -105,7 +119,8 @@ def _train(args: argparse.Namespace) -> int:
     from flows.config import ConfigError, compose_config
     from rl_core.input_checks import InputError, check_run_inputs
 
-    try:  # a wrong key, type or value, unusable data, model or reward: one line each, in a second, before Prefect starts
+    # a wrong key, type or value, unusable data, model or reward: one line each, in a second, before Prefect starts
+    try:
         config = compose_config(args.overrides)
         check_run_inputs(config)
     except (ConfigError, InputError) as error:
@@ -133,14 +148,23 @@ def _sweep(args: argparse.Namespace) -> int:
     from flows.train import summary_line
 
     try:
-        check_sweep(args.overrides, args.search, args.trials, args.direction)  # a bad sweep: a one-line error before Prefect starts
+        check_sweep(
+            args.overrides, args.search, args.trials, args.direction
+        )  # a bad sweep: a one-line error before Prefect starts
         server_ready = start_temporary_server()
         from flows.sweep import sweep
 
         server_ready()
 
-        result = sweep(overrides=args.overrides, search=args.search, trials=args.trials, metric=args.metric,
-                       direction=args.direction, name=args.name, seed=args.seed)
+        result = sweep(
+            overrides=args.overrides,
+            search=args.search,
+            trials=args.trials,
+            metric=args.metric,
+            direction=args.direction,
+            name=args.name,
+            seed=args.seed,
+        )
     except SweepError as error:
         print(f"ppoflow sweep: {error}", file=sys.stderr)
         return 2
@@ -159,7 +183,9 @@ def _evaluate(args: argparse.Namespace) -> int:
     server_ready()
 
     try:
-        result = evaluate(source=args.source, overrides=args.overrides, samples=args.samples, temperature=args.temperature)
+        result = evaluate(
+            source=args.source, overrides=args.overrides, samples=args.samples, temperature=args.temperature
+        )
     except (ConfigError, EvaluationSourceError) as error:
         print(f"ppoflow evaluate: {error}", file=sys.stderr)
         return 2
@@ -173,10 +199,21 @@ def _serve(args: argparse.Namespace) -> int:
     from flows.deployments import PrefectUnavailableError, serve_deployments
     from flows.sweep import SweepError
 
-    options = {"search": args.sweep_search, "metric": args.sweep_metric, "direction": args.sweep_direction, "trials": args.sweep_trials}
+    options = {
+        "search": args.sweep_search,
+        "metric": args.sweep_metric,
+        "direction": args.sweep_direction,
+        "trials": args.sweep_trials,
+    }
     try:
-        serve_deployments(train_concurrency=args.train_concurrency, train_retries=args.train_retries, sweep_cron=args.sweep_cron, sweep_interval_s=args.sweep_interval,
-                          sweep_overrides=args.sweep_overrides, sweep_options=options)
+        serve_deployments(
+            train_concurrency=args.train_concurrency,
+            train_retries=args.train_retries,
+            sweep_cron=args.sweep_cron,
+            sweep_interval_s=args.sweep_interval,
+            sweep_overrides=args.sweep_overrides,
+            sweep_options=options,
+        )
     except (PrefectUnavailableError, SweepError, ValueError) as error:
         print(f"ppoflow serve: {error}", file=sys.stderr)
         return 2
@@ -188,7 +225,9 @@ def _deploy(args: argparse.Namespace) -> int:
     from flows.deployments import PrefectUnavailableError, register_in_work_pool
 
     try:
-        names = register_in_work_pool(args.work_pool, train_concurrency=args.train_concurrency, train_overrides=args.train_overrides)
+        names = register_in_work_pool(
+            args.work_pool, train_concurrency=args.train_concurrency, train_overrides=args.train_overrides
+        )
     except (PrefectUnavailableError, ValueError) as error:
         print(f"ppoflow deploy: {error}", file=sys.stderr)
         return 2
@@ -213,7 +252,10 @@ def _workers(args: argparse.Namespace) -> int:
     _use_stack()
     address = args.address or os.environ.get("RAY_ADDRESS")
     if not address:
-        print("ppoflow workers: no cluster to look at: start the stack (`ppoflow up`), set RAY_ADDRESS or give --address", file=sys.stderr)
+        print(
+            "ppoflow workers: no cluster to look at: start the stack (`ppoflow up`), set RAY_ADDRESS or give --address",
+            file=sys.stderr,
+        )
         return 2
     from flows.tracking import DEFAULT_TRACKING_URI
     from flows.workers import kill_worker_group, worker_groups
@@ -230,11 +272,17 @@ def _workers(args: argparse.Namespace) -> int:
         for group in groups:
             age = f"{group.age_s / 60:.1f} min" if group.age_s is not None else "busy"
             resources = ", ".join(f"{k} {v:g}" for k, v in sorted(group.resources.items()))
-            print(f"{group.run_id:34} {group.ranks:>5} {age:>8}  {resources:24} {group.run_status:10} {' '.join(map(str, group.pids)) or 'busy'}")
+            print(
+                f"{group.run_id:34} {group.ranks:>5} {age:>8}  {resources:24} {group.run_status:10} "
+                f"{' '.join(map(str, group.pids)) or 'busy'}"
+            )
         return 0
     targets = [g.run_id for g in groups if g.run_status != "RUNNING"] if args.orphans else args.runs
     if not targets:
-        print("nothing to kill: name runs (ppoflow workers kill RUN_ID ...) or --orphans (groups whose MLflow run is not running)")
+        print(
+            "nothing to kill: name runs (ppoflow workers kill RUN_ID ...) or --orphans (groups whose MLflow run is not "
+            "running)"
+        )
         return 0 if args.orphans else 2
     for run_id in targets:
         print(f"{run_id}: killed {kill_worker_group(run_id)} worker(s)")
@@ -245,6 +293,7 @@ def _print_config(args: argparse.Namespace) -> int:
     from omegaconf import OmegaConf
 
     from flows.config import ConfigError, compose_config
+
     try:
         print(OmegaConf.to_yaml(compose_config(args.overrides)), end="")
     except ConfigError as error:
@@ -262,8 +311,14 @@ def _ui(args: argparse.Namespace) -> int:
     for name in ("mlflow_url", "prefect_url", "ray_dashboard_url"):
         if getattr(args, name):
             setattr(links, name, getattr(args, name))
-    serve(args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI, args.host, args.port, links, args.experiment,
-          args.allowed_host)
+    serve(
+        args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI,
+        args.host,
+        args.port,
+        links,
+        args.experiment,
+        args.allowed_host,
+    )
     return 0
 
 
@@ -295,6 +350,7 @@ def _stop_on_signals() -> list[int]:
 def _exit_at_once_on_signals(command: str) -> None:
     """Once the command's work is done, a signal during the exit (Ray and Prefect's server being stopped by atexit
     handlers) ends the process at once with 128 + the signal; the watchdog ends what is left."""
+
     def stop(signum: int, frame: object) -> None:
         print(f"ppoflow {command}: stopped by {signal.Signals(signum).name} while exiting", file=sys.stderr, flush=True)
         os._exit(128 + signum)
@@ -324,8 +380,11 @@ def _run_flow_command(args: argparse.Namespace) -> int:
         return args.flow_command(args)
     except KeyboardInterrupt as stop:  # Interrupted, or the plain KeyboardInterrupt a Ray wait makes of it
         signum = getattr(stop, "signum", received[0] if received else signal.SIGINT)
-        print(f"ppoflow {args.command}: stopped by {signal.Signals(signum).name}; the run is marked KILLED and its workers were freed",
-              file=sys.stderr)
+        print(
+            f"ppoflow {args.command}: stopped by {signal.Signals(signum).name}; the run is marked KILLED and its "
+            "workers were freed",
+            file=sys.stderr,
+        )
         return 128 + signum
     except Exception as error:
         path = _traceback_file(args.command)
@@ -333,8 +392,11 @@ def _run_flow_command(args: argparse.Namespace) -> int:
             traceback.print_exc()
         from flows.prefect_view import one_line
 
-        print(f"ppoflow {args.command}: {one_line(error)}\n(the traceback: {path}{'' if args.verbose else '; --verbose prints it'})",
-              file=sys.stderr)
+        print(
+            f"ppoflow {args.command}: {one_line(error)}\n(the traceback: "
+            f"{path}{'' if args.verbose else '; --verbose prints it'})",
+            file=sys.stderr,
+        )
         return 1
     finally:
         _exit_at_once_on_signals(args.command)
@@ -343,44 +405,97 @@ def _run_flow_command(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from rl_core.models.families import FAMILIES
 
-    parser = argparse.ArgumentParser(prog="ppoflow", description="RL post-training of LLMs: Prefect flows driving Ray workers, tracked in MLflow.")
+    parser = argparse.ArgumentParser(
+        prog="ppoflow", description="RL post-training of LLMs: Prefect flows driving Ray workers, tracked in MLflow."
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     flow_options = argparse.ArgumentParser(add_help=False)
-    flow_options.add_argument("--verbose", action="store_true", help="print a failure's traceback (it is always written to "
-                              "$PPOFLOW_HOME/logs/, default ~/.ppoflow/logs/)")
-    train = commands.add_parser("train", parents=[flow_options], help="run PPO/GRPO training (Hydra overrides, e.g. algorithm.adv_estimator=gae); no overrides = the embedded demo")
+    flow_options.add_argument(
+        "--verbose",
+        action="store_true",
+        help="print a failure's traceback (it is always written to $PPOFLOW_HOME/logs/, default ~/.ppoflow/logs/)",
+    )
+    train = commands.add_parser(
+        "train",
+        parents=[flow_options],
+        help="run PPO/GRPO training (Hydra overrides, e.g. algorithm.adv_estimator=gae); no overrides = the embedded "
+        "demo",
+    )
     train.add_argument("overrides", nargs="*", help="Hydra overrides key=value (`ppoflow config` lists every key)")
-    train.add_argument("--retries", type=int, default=0, help="Prefect flow-run retries: a failed run starts again from its latest "
-                       "checkpoint, reattaching to its workers (default 0)")
+    train.add_argument(
+        "--retries",
+        type=int,
+        default=0,
+        help="Prefect flow-run retries: a failed run starts again from its latest "
+        "checkpoint, reattaching to its workers (default 0)",
+    )
     train.set_defaults(run=_run_flow_command, flow_command=_train)
-    up = commands.add_parser("up", help="start the local stack on 127.0.0.1 (Prefect server, MLflow server, Ray head); idempotent")
-    up.add_argument("--data-dir", help="where the services keep their data (default $PPOFLOW_HOME/data, PPOFLOW_HOME=~/.ppoflow)")
+    up = commands.add_parser(
+        "up", help="start the local stack on 127.0.0.1 (Prefect server, MLflow server, Ray head); idempotent"
+    )
+    up.add_argument(
+        "--data-dir", help="where the services keep their data (default $PPOFLOW_HOME/data, PPOFLOW_HOME=~/.ppoflow)"
+    )
     up.add_argument("--prefect-port", type=int, help="default 4200")
     up.add_argument("--mlflow-port", type=int, help="default 5000")
     up.add_argument("--ray-port", type=int, help="default 6379")
     up.set_defaults(run=_up)
-    down = commands.add_parser("down", help="stop the services `ppoflow up` started (and nothing else); their data is kept")
+    down = commands.add_parser(
+        "down", help="stop the services `ppoflow up` started (and nothing else); their data is kept"
+    )
     down.set_defaults(run=_down)
     status = commands.add_parser("status", help="say which services of the local stack run and answer")
     status.set_defaults(run=_status)
-    sweep = commands.add_parser("sweep", parents=[flow_options], help="training runs over a Hydra grid (key=a,b) or an Optuna search, nested under one MLflow parent run and compared")
-    sweep.add_argument("overrides", nargs="+", help="Hydra overrides: key=a,b / range(...) vary (interval(...) for random/tpe), key=v is fixed")
+    sweep = commands.add_parser(
+        "sweep",
+        parents=[flow_options],
+        help="training runs over a Hydra grid (key=a,b) or an Optuna search, nested under one MLflow parent run and "
+        "compared",
+    )
+    sweep.add_argument(
+        "overrides",
+        nargs="+",
+        help="Hydra overrides: key=a,b / range(...) vary (interval(...) for random/tpe), key=v is fixed",
+    )
     sweep.add_argument("--search", choices=["grid", "random", "tpe"], default="grid")
     sweep.add_argument("--trials", type=int, default=8, help="children of a random/tpe search (default 8)")
-    sweep.add_argument("--metric", default="auto", help="compare by this metric (default: the first validation mean@n, else critic/score/mean)")
+    sweep.add_argument(
+        "--metric",
+        default="auto",
+        help="compare by this metric (default: the first validation mean@n, else critic/score/mean)",
+    )
     sweep.add_argument("--direction", choices=["max", "min"], default="max")
     sweep.add_argument("--name", help="the sweep's name (default: from the overrides; the same name continues a sweep)")
     sweep.add_argument("--seed", type=int, default=0, help="the random/tpe sampler's seed")
     sweep.set_defaults(run=_run_flow_command, flow_command=_sweep)
-    evaluate = commands.add_parser("evaluate", parents=[flow_options], help="greedy and sampled validation of a checkpoint (global_step_N) or models:/<name>/<version>, in its own MLflow run")
-    evaluate.add_argument("source", help="a global_step_N checkpoint folder (or its actor folder), or models:/<name>/<version>")
-    evaluate.add_argument("overrides", nargs="*", help="Hydra overrides of the training run's config (e.g. data.val_files=...)")
+    evaluate = commands.add_parser(
+        "evaluate",
+        parents=[flow_options],
+        help="greedy and sampled validation of a checkpoint (global_step_N) or models:/<name>/<version>, in its own "
+        "MLflow run",
+    )
+    evaluate.add_argument(
+        "source", help="a global_step_N checkpoint folder (or its actor folder), or models:/<name>/<version>"
+    )
+    evaluate.add_argument(
+        "overrides", nargs="*", help="Hydra overrides of the training run's config (e.g. data.val_files=...)"
+    )
     evaluate.add_argument("--samples", type=int, default=8, help="sampled responses per prompt (mean@n, pass@k)")
     evaluate.add_argument("--temperature", type=float, default=1.0)
     evaluate.set_defaults(run=_run_flow_command, flow_command=_evaluate)
-    serve = commands.add_parser("serve", help="serve the train, evaluate and sweep flows as deployments of the Prefect server in PREFECT_API_URL")
-    serve.add_argument("--train-concurrency", type=int, default=1, help="training runs at once (default 1: one machine)")
-    serve.add_argument("--train-retries", type=int, default=0, help="flow-run retries of a failed training run (from its latest checkpoint)")
+    serve = commands.add_parser(
+        "serve",
+        help="serve the train, evaluate and sweep flows as deployments of the Prefect server in PREFECT_API_URL",
+    )
+    serve.add_argument(
+        "--train-concurrency", type=int, default=1, help="training runs at once (default 1: one machine)"
+    )
+    serve.add_argument(
+        "--train-retries",
+        type=int,
+        default=0,
+        help="flow-run retries of a failed training run (from its latest checkpoint)",
+    )
     serve.add_argument("--sweep-cron", help='run the sweep deployment on this cron schedule, e.g. "0 2 * * *"')
     serve.add_argument("--sweep-interval", type=float, help="or every this many seconds")
     serve.add_argument("--sweep-overrides", nargs="+", help="the scheduled sweep's overrides (Hydra sweep syntax)")
@@ -392,44 +507,78 @@ def build_parser() -> argparse.ArgumentParser:
     workers = commands.add_parser("workers", help="list the training runs' worker groups on the cluster, or kill them")
     workers.add_argument("action", choices=["list", "kill"])
     workers.add_argument("runs", nargs="*", help="kill: the MLflow run ids whose workers to end")
-    workers.add_argument("--orphans", action="store_true", help="kill: every group whose MLflow run is not running (finished, failed, unknown)")
+    workers.add_argument(
+        "--orphans",
+        action="store_true",
+        help="kill: every group whose MLflow run is not running (finished, failed, unknown)",
+    )
     workers.add_argument("--address", help="the Ray cluster (default: the stack's, else RAY_ADDRESS)")
-    workers.add_argument("--tracking-uri", help="the MLflow store of the runs (default: the stack's, else MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)")
+    workers.add_argument(
+        "--tracking-uri",
+        help="the MLflow store of the runs (default: the stack's, else MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)",
+    )
     workers.set_defaults(run=_workers)
-    deploy = commands.add_parser("deploy", help="register the deployments in a Prefect work pool (its workers run them; see infra/k8s)")
+    deploy = commands.add_parser(
+        "deploy", help="register the deployments in a Prefect work pool (its workers run them; see infra/k8s)"
+    )
     deploy.add_argument("--work-pool", required=True)
     deploy.add_argument("--train-concurrency", type=int, default=1)
-    deploy.add_argument("--train-overrides", nargs="+", help="the train form's default overrides (e.g. trainer.nnodes=2 trainer.n_gpus_per_node=8)")
+    deploy.add_argument(
+        "--train-overrides",
+        nargs="+",
+        help="the train form's default overrides (e.g. trainer.nnodes=2 trainer.n_gpus_per_node=8)",
+    )
     deploy.set_defaults(run=_deploy)
-    render = commands.add_parser("k8s-render", help="write the Kubernetes manifests (KubeRay, Prefect, MLflow, PostgreSQL) from a values file")
+    render = commands.add_parser(
+        "k8s-render", help="write the Kubernetes manifests (KubeRay, Prefect, MLflow, PostgreSQL) from a values file"
+    )
     render.add_argument("out", help="output folder (then: kubectl apply -f OUT)")
     render.add_argument("--values", help="the values file (default infra/k8s/values.yaml)")
     render.add_argument("--set", nargs="+", help="key.path=value overrides of the values")
     render.set_defaults(run=_render_k8s)
-    config = commands.add_parser("config", help="print the composed config (every key with its value) for the given overrides")
+    config = commands.add_parser(
+        "config", help="print the composed config (every key with its value) for the given overrides"
+    )
     config.add_argument("overrides", nargs="*", help="Hydra overrides key=value")
     config.set_defaults(run=_print_config)
-    ui = commands.add_parser("ui", help="serve the run inspector page (curves, stage timeline, rollout samples, config diffs) of an MLflow store")
+    ui = commands.add_parser(
+        "ui",
+        help="serve the run inspector page (curves, stage timeline, rollout samples, config diffs) of an MLflow store",
+    )
     ui.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     ui.add_argument("--port", type=int, default=8420)
-    ui.add_argument("--tracking-uri", help="the MLflow store (default: MLFLOW_TRACKING_URI, else the embedded default's sqlite:///mlflow.db)")
+    ui.add_argument(
+        "--tracking-uri",
+        help="the MLflow store (default: MLFLOW_TRACKING_URI, else the embedded default's sqlite:///mlflow.db)",
+    )
     ui.add_argument("--experiment", default="ppoflow", help="the experiment shown first (trainer.project_name)")
-    ui.add_argument("--allowed-host", action="append", default=[], help="a name requests may give in their Host header besides "
-                    "the loopback names and --host (a DNS name in front of it); repeatable")
+    ui.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        help="a name requests may give in their Host header besides "
+        "the loopback names and --host (a DNS name in front of it); repeatable",
+    )
     ui.add_argument("--mlflow-url", help="the MLflow UI, for links (default http://127.0.0.1:5000)")
     ui.add_argument("--prefect-url", help="the Prefect UI, for links (default PREFECT_UI_URL or http://127.0.0.1:4200)")
     ui.add_argument("--ray-dashboard-url", help="the Ray dashboard, for links (default http://127.0.0.1:8265)")
     ui.set_defaults(run=_ui)
-    algos = commands.add_parser("algos", help="list the registered advantage estimators, policy losses, aggregations and KL penalties")
+    algos = commands.add_parser(
+        "algos", help="list the registered advantage estimators, policy losses, aggregations and KL penalties"
+    )
     algos.set_defaults(run=_list_algorithms)
-    tiny = commands.add_parser("make-tiny-model", help="write a tiny randomly initialised model + tokenizer (no download) to OUT")
+    tiny = commands.add_parser(
+        "make-tiny-model", help="write a tiny randomly initialised model + tokenizer (no download) to OUT"
+    )
     tiny.add_argument("out", help="output folder")
     tiny.add_argument("--family", default="qwen2", choices=sorted(FAMILIES), help="the model family (default qwen2)")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--hidden-size", type=int, default=64)
     tiny.add_argument("--num-layers", type=int, default=2)
     tiny.set_defaults(run=_make_tiny_model)
-    gsm8k = commands.add_parser("prepare-gsm8k", help="convert a local copy of GSM8K (train/test jsonl or parquet) to verl's format")
+    gsm8k = commands.add_parser(
+        "prepare-gsm8k", help="convert a local copy of GSM8K (train/test jsonl or parquet) to verl's format"
+    )
     gsm8k.add_argument("source", help="folder holding train*.jsonl / test*.jsonl (or parquet)")
     gsm8k.add_argument("out", help="output folder for train.parquet / test.parquet")
     gsm8k.set_defaults(run=_prepare_gsm8k)

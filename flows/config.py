@@ -40,13 +40,23 @@ def _explain(error: BaseException) -> str:
     full_key = re.search(r"full_key: (\S+)", text)
     key = full_key.group(1) if full_key else ""
     first = text.splitlines()[0] if text else type(error).__name__
-    if "not in" in first or "Could not append" in first or "Could not override" in first or "Key '" in first and "not" in first:
+    if (
+        "not in" in first
+        or "Could not append" in first
+        or "Could not override" in first
+        or "Key '" in first
+        and "not" in first
+    ):
         name = key or (re.search(r"'([^']+)'", first).group(1) if re.search(r"'([^']+)'", first) else first)
-        return (f"unknown config key {name!r}: check the spelling (`ppoflow config` prints every key); "
-                f"your reward function's own settings go in custom_reward_function.reward_kwargs")
+        return (
+            f"unknown config key {name!r}: check the spelling (`ppoflow config` prints every key); your reward "
+            "function's own settings go in custom_reward_function.reward_kwargs"
+        )
     conversion = re.match(r"Value '(.*)' of type '(\w+)' could not be converted to (\w+)", first)
     if conversion:
-        expected = {"Integer": "int", "Float": "float", "Boolean": "bool", "String": "str"}.get(conversion.group(3), conversion.group(3))
+        expected = {"Integer": "int", "Float": "float", "Boolean": "bool", "String": "str"}.get(
+            conversion.group(3), conversion.group(3)
+        )
         return f"{key}: expected {expected}, got {conversion.group(1)!r} ({conversion.group(2)})"
     not_bool = re.match(r"Value '(.*)' is not a valid bool \(type (\w+)\)", first)
     if not_bool:
@@ -62,10 +72,16 @@ def compose_config(overrides: list[str] | None = None, base: str | None = None) 
     overrides = list(overrides or [])
     try:
         config = _compose(overrides, base)
-        chosen = any(o.lstrip("+").startswith("profile=") for o in overrides)  # `+profile=demo`: a model of one's own, the demo's values
-        if base is None and config.actor_rollout_ref.model.path is None and not chosen:  # the embedded demo: its profile under the overrides
+        chosen = any(
+            o.lstrip("+").startswith("profile=") for o in overrides
+        )  # `+profile=demo`: a model of one's own, the demo's values
+        if (
+            base is None and config.actor_rollout_ref.model.path is None and not chosen
+        ):  # the embedded demo: its profile under the overrides
             config = _compose([f"+profile={DEMO_PROFILE.stem}", *overrides], base)
-        OmegaConf.merge(PPOTrainerConfig, OmegaConf.to_container(config))  # `+key=value` slips past the schema: refuse it here
+        OmegaConf.merge(
+            PPOTrainerConfig, OmegaConf.to_container(config)
+        )  # `+key=value` slips past the schema: refuse it here
         OmegaConf.resolve(config)
     except OverrideParseException as error:
         raise ConfigError(f"{str(error).splitlines()[0]}: overrides are key=value (Hydra syntax)") from None
@@ -88,16 +104,29 @@ def check_names(config: DictConfig) -> None:
     for key in ("trainer.project_name", "trainer.experiment_name"):
         value = str(OmegaConf.select(config, key))
         if redact_text(value) != value:
-            raise ConfigError(f"{key} holds a token or a password ({redact_text(value)!r}): a run's names are stored as they are "
-                              f"(MLflow, the checkpoint folder, Prefect); choose another name")
+            raise ConfigError(
+                f"{key} holds a token or a password ({redact_text(value)!r}): a run's names are stored as they are "
+                "(MLflow, the checkpoint folder, Prefect); choose another name"
+            )
 
 
 # every config key that names a file or folder (a list of them for the data files)
 PATH_KEYS = (
-    "data.train_files", "data.val_files", "actor_rollout_ref.model.path", "actor_rollout_ref.model.tokenizer_path",
-    "actor_rollout_ref.model.lora_adapter_path", "critic.model.path", "critic.model.tokenizer_path", "critic.model.lora_adapter_path",
-    "reward_model.model.path", "reward_model.model.input_tokenizer", "custom_reward_function.path", "trainer.cache_dir",
-    "trainer.default_local_dir", "trainer.resume_from_path", "trainer.artifact_location",
+    "data.train_files",
+    "data.val_files",
+    "actor_rollout_ref.model.path",
+    "actor_rollout_ref.model.tokenizer_path",
+    "actor_rollout_ref.model.lora_adapter_path",
+    "critic.model.path",
+    "critic.model.tokenizer_path",
+    "critic.model.lora_adapter_path",
+    "reward_model.model.path",
+    "reward_model.model.input_tokenizer",
+    "custom_reward_function.path",
+    "trainer.cache_dir",
+    "trainer.default_local_dir",
+    "trainer.resume_from_path",
+    "trainer.artifact_location",
 )
 SQLITE = "sqlite:///"
 
@@ -105,6 +134,7 @@ SQLITE = "sqlite:///"
 def absolute_paths(config: DictConfig) -> None:
     """Make every path of ``config`` absolute against this process's working folder (in place; ``~`` expanded), and a
     relative SQLite tracking URI too: the workers run elsewhere (on a persistent cluster, in the cluster's folder)."""
+
     def absolute(path: str) -> str:
         return str(Path(path).expanduser().absolute())
 

@@ -54,40 +54,58 @@ def resolve_source(source: str, client: MlflowClient, download_to: Path) -> tupl
     if source.startswith("models:/"):
         name, _, version = source.removeprefix("models:/").partition("/")
         if not version.isdigit():
-            raise EvaluationSourceError(f"{source!r}: name a registered version, models:/<name>/<version> (e.g. models:/ppoflow-policy/1)")
+            raise EvaluationSourceError(
+                f"{source!r}: name a registered version, models:/<name>/<version> (e.g. models:/ppoflow-policy/1)"
+            )
         try:
             model_version = client.get_model_version(name, version)
         except Exception as error:
-            raise EvaluationSourceError(f"{source!r}: no such model version in {client.tracking_uri} ({one_line(error)})") from None
-        folder = Path(download_artifacts(artifact_uri=model_version.source, dst_path=str(download_to), tracking_uri=client.tracking_uri))
+            raise EvaluationSourceError(
+                f"{source!r}: no such model version in {client.tracking_uri} ({one_line(error)})"
+            ) from None
+        folder = Path(
+            download_artifacts(
+                artifact_uri=model_version.source, dst_path=str(download_to), tracking_uri=client.tracking_uri
+            )
+        )
         step = max((m.step for m in client.get_metric_history(model_version.run_id, "training/global_step")), default=0)
         return folder, model_version.run_id, step
     folder = Path(source).expanduser().resolve()
     checkpoint = folder if (folder / STATE_FILE).is_file() else folder.parent
     if not (checkpoint / STATE_FILE).is_file() or not (checkpoint / "actor").is_dir():
-        raise EvaluationSourceError(f"{source!r} is not a step checkpoint: give a global_step_N folder (holding {STATE_FILE} and "
-                                    f"actor/) or its actor folder, or a registered model as models:/<name>/<version>")
+        raise EvaluationSourceError(
+            f"{source!r} is not a step checkpoint: give a global_step_N folder (holding {STATE_FILE} and actor/) or "
+            "its actor folder, or a registered model as models:/<name>/<version>"
+        )
     state = json.loads((checkpoint / STATE_FILE).read_text())
     return checkpoint / "actor", state["mlflow_run_id"], int(state["global_step"])
 
 
 def source_config_yaml(client: MlflowClient, run_id: str) -> str:
     try:
-        return Path(client.download_artifacts(run_id, CONFIG_ARTIFACT, tempfile.mkdtemp(prefix="ppoflow-eval-"))).read_text()
+        return Path(
+            client.download_artifacts(run_id, CONFIG_ARTIFACT, tempfile.mkdtemp(prefix="ppoflow-eval-"))
+        ).read_text()
     except Exception as error:
-        raise EvaluationSourceError(f"the training run {run_id} is not in the MLflow store {client.tracking_uri} or has no "
-                                    f"{CONFIG_ARTIFACT} ({one_line(error)}); point MLFLOW_TRACKING_URI or trainer.tracking_uri at its store") from None
+        raise EvaluationSourceError(
+            f"the training run {run_id} is not in the MLflow store {client.tracking_uri} or has no {CONFIG_ARTIFACT} "
+            f"({one_line(error)}); point MLFLOW_TRACKING_URI or trainer.tracking_uri at its store"
+        ) from None
 
 
 def check_no_redacted_values(config: DictConfig) -> None:
     """The training run's stored config has its secrets replaced by ``***``: an evaluation needs them given again."""
     hidden = redacted_keys(config)
     if hidden:
-        raise EvaluationSourceError(f"the training run's stored config hides secret values ({', '.join(hidden)} = {REDACTED!r}): pass them "
-                                    f"again as overrides, e.g. {hidden[0]}='${{oc.env:MY_SECRET}}' (the secret read from the environment)")
+        raise EvaluationSourceError(
+            f"the training run's stored config hides secret values ({', '.join(hidden)} = {REDACTED!r}): pass them "
+            f"again as overrides, e.g. {hidden[0]}='${{oc.env:MY_SECRET}}' (the secret read from the environment)"
+        )
 
 
-def run_evaluation(source: str, overrides: list[str] | None = None, samples: int = 8, temperature: float = 1.0) -> dict[str, Any]:
+def run_evaluation(
+    source: str, overrides: list[str] | None = None, samples: int = 8, temperature: float = 1.0
+) -> dict[str, Any]:
     """Everything the evaluate flow does (see the module doc); returns the run id, source and metrics."""
     if samples < 1 or not temperature > 0:
         raise ValueError(f"samples={samples}, temperature={temperature}: need samples >= 1 and temperature > 0")
@@ -100,11 +118,21 @@ def run_evaluation(source: str, overrides: list[str] | None = None, samples: int
         apply_embedded_defaults(config)
         tokenizer = load_policy_tokenizer(config.actor_rollout_ref.model)
         val_data = RLDataset(config.data.val_files, tokenizer, config.data, config.data.val_max_samples)
-        reward_manager = build_reward_manager(config, tokenizer, load_custom_reward_function(**config.custom_reward_function))
+        reward_manager = build_reward_manager(
+            config, tokenizer, load_custom_reward_function(**config.custom_reward_function)
+        )
 
         source_name = client.get_run(source_run_id).info.run_name
-        tracker = RunTracker(config, tags={"ppoflow.kind": "evaluate", "ppoflow.source_run_id": source_run_id, "ppoflow.source": source,
-                                           "ppoflow.source_step": str(step)}, run_name=f"{source_name}-eval")
+        tracker = RunTracker(
+            config,
+            tags={
+                "ppoflow.kind": "evaluate",
+                "ppoflow.source_run_id": source_run_id,
+                "ppoflow.source": source,
+                "ppoflow.source_step": str(step),
+            },
+            run_name=f"{source_name}-eval",
+        )
         view = PrefectRunView()
         view.link_run(mlflow_run_url(tracker.uri, tracker.experiment_id, tracker.run_id), tracker.run_id, actor_folder)
         workers = None
@@ -115,12 +143,22 @@ def run_evaluation(source: str, overrides: list[str] | None = None, samples: int
             workers.role("actor_rollout_ref").load_weights(str(actor_folder), timeout_s=timeout, stage="load_weights")
             stage_workers = step_workers(workers, timeout, config.reward.timeout_s)
             val_kwargs = dict(config.actor_rollout_ref.rollout.val_kwargs)
-            greedy = run_validation(config, stage_workers, val_data, reward_manager, val_kwargs={**val_kwargs, "n": 1, "do_sample": False})
-            sampled = run_validation(config, stage_workers, val_data, reward_manager,
-                                     val_kwargs={**val_kwargs, "n": samples, "do_sample": True, "temperature": temperature})
+            greedy = run_validation(
+                config, stage_workers, val_data, reward_manager, val_kwargs={**val_kwargs, "n": 1, "do_sample": False}
+            )
+            sampled = run_validation(
+                config,
+                stage_workers,
+                val_data,
+                reward_manager,
+                val_kwargs={**val_kwargs, "n": samples, "do_sample": True, "temperature": temperature},
+            )
             metrics = {**greedy, **{f"sampled/{key}": value for key, value in sampled.items()}}
             tracker.log_step(step, metrics)
-            view.log(f"evaluated {source} (run {source_run_id}, step {step}): " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
+            view.log(
+                f"evaluated {source} (run {source_run_id}, step {step}): "
+                + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items())
+            )
             tracker.finish()
         except BaseException as error:
             tracker.fail(error)
@@ -128,7 +166,13 @@ def run_evaluation(source: str, overrides: list[str] | None = None, samples: int
         finally:
             if workers is not None:
                 workers.kill()
-        return {"tracking_uri": tracker.uri, "run_id": tracker.run_id, "source_run_id": source_run_id, "step": step, "metrics": metrics}
+        return {
+            "tracking_uri": tracker.uri,
+            "run_id": tracker.run_id,
+            "source_run_id": source_run_id,
+            "step": step,
+            "metrics": metrics,
+        }
     finally:
         downloads.cleanup()
 

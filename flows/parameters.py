@@ -78,18 +78,60 @@ class TrainSettings(BaseModel):
 
     experiment: str = Field(default("experiment"), min_length=1, description="MLflow experiment (trainer.project_name)")
     run_name: str = Field(default("run_name"), min_length=1, description="MLflow run name (trainer.experiment_name)")
-    model_path: str | None = Field(default("model_path"), description="a local Hugging Face model folder; empty = the embedded tiny model (actor_rollout_ref.model.path)")
-    train_files: str | None = Field(default("train_files"), description="training parquet/jsonl file(s) in verl's format; empty = the synthetic addition task (data.train_files)")
-    val_files: str | None = Field(default("val_files"), description="validation file(s); empty = the synthetic task's (data.val_files)")
-    algorithm: Algorithm | None = Field(default("algorithm"), description=f"advantage estimator; gae adds a critic; {profile_note('algorithm')} (algorithm.adv_estimator)")
-    batch_size: int | None = Field(default("batch_size"), gt=0, description=f"prompts per step; {profile_note('batch_size')} (data.train_batch_size)")
-    rollout_n: int | None = Field(default("rollout_n"), gt=0, description=f"responses sampled per prompt; {profile_note('rollout_n')} (actor_rollout_ref.rollout.n)")
-    learning_rate: float | None = Field(default("learning_rate"), gt=0, lt=1, description=f"actor learning rate; {profile_note('learning_rate')} (actor_rollout_ref.actor.optim.lr)")
-    total_steps: int | None = Field(default("total_steps"), gt=0, description=f"training steps; {profile_note('total_steps')} (trainer.total_training_steps)")
-    lora_rank: int = Field(default("lora_rank"), ge=0, description="LoRA rank; 0 = full fine-tuning (actor_rollout_ref.model.lora_rank)")
-    save_freq: int = Field(default("save_freq"), ge=-1, description="checkpoint every N steps and at the last; -1 = only at the last (trainer.save_freq)")
-    test_freq: int = Field(default("test_freq"), ge=-1, description="validate every N steps (and at the last); -1 = never (trainer.test_freq)")
-    reward_function_path: str | None = Field(default("reward_function_path"), description="a Python file with compute_score(...); empty = the built-in scorers (custom_reward_function.path)")
+    model_path: str | None = Field(
+        default("model_path"),
+        description="a local Hugging Face model folder; empty = the embedded tiny model (actor_rollout_ref.model.path)",
+    )
+    train_files: str | None = Field(
+        default("train_files"),
+        description="training parquet/jsonl file(s) in verl's format; empty = the synthetic addition task "
+        "(data.train_files)",
+    )
+    val_files: str | None = Field(
+        default("val_files"), description="validation file(s); empty = the synthetic task's (data.val_files)"
+    )
+    algorithm: Algorithm | None = Field(
+        default("algorithm"),
+        description=f"advantage estimator; gae adds a critic; {profile_note('algorithm')} (algorithm.adv_estimator)",
+    )
+    batch_size: int | None = Field(
+        default("batch_size"),
+        gt=0,
+        description=f"prompts per step; {profile_note('batch_size')} (data.train_batch_size)",
+    )
+    rollout_n: int | None = Field(
+        default("rollout_n"),
+        gt=0,
+        description=f"responses sampled per prompt; {profile_note('rollout_n')} (actor_rollout_ref.rollout.n)",
+    )
+    learning_rate: float | None = Field(
+        default("learning_rate"),
+        gt=0,
+        lt=1,
+        description=f"actor learning rate; {profile_note('learning_rate')} (actor_rollout_ref.actor.optim.lr)",
+    )
+    total_steps: int | None = Field(
+        default("total_steps"),
+        gt=0,
+        description=f"training steps; {profile_note('total_steps')} (trainer.total_training_steps)",
+    )
+    lora_rank: int = Field(
+        default("lora_rank"), ge=0, description="LoRA rank; 0 = full fine-tuning (actor_rollout_ref.model.lora_rank)"
+    )
+    save_freq: int = Field(
+        default("save_freq"),
+        ge=-1,
+        description="checkpoint every N steps and at the last; -1 = only at the last (trainer.save_freq)",
+    )
+    test_freq: int = Field(
+        default("test_freq"),
+        ge=-1,
+        description="validate every N steps (and at the last); -1 = never (trainer.test_freq)",
+    )
+    reward_function_path: str | None = Field(
+        default("reward_function_path"),
+        description="a Python file with compute_score(...); empty = the built-in scorers (custom_reward_function.path)",
+    )
 
     @field_validator("model_path", "train_files", "val_files", "reward_function_path", mode="before")
     @classmethod
@@ -97,5 +139,10 @@ class TrainSettings(BaseModel):
         return None if isinstance(value, str) and not value.strip() else value
 
     def to_overrides(self) -> list[str]:
-        """``key=value`` for every field that differs from its form default (an empty field leaves the config's value)."""
-        return [f"{FIELD_KEYS[name]}={hydra_value(value)}" for name, value in self.model_dump().items() if value != default(name)]
+        """``key=value`` for every field that differs from its form default (an empty field leaves the config's
+        value)."""
+        return [
+            f"{FIELD_KEYS[name]}={hydra_value(value)}"
+            for name, value in self.model_dump().items()
+            if value != default(name)
+        ]

@@ -31,7 +31,11 @@ PRUNE_EVERY_STEPS = 50  # old task runs are deleted in batches of this many step
 def mlflow_run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
     """The run's page in the MLflow UI: the tracking server itself when it is one, else ``PPOFLOW_MLFLOW_UI_URL``
     (default http://127.0.0.1:5000, where ``mlflow ui --backend-store-uri <store>`` serves a local store)."""
-    base = tracking_uri if tracking_uri.startswith(("http://", "https://")) else os.environ.get("PPOFLOW_MLFLOW_UI_URL", DEFAULT_MLFLOW_UI_URL)
+    base = (
+        tracking_uri
+        if tracking_uri.startswith(("http://", "https://"))
+        else os.environ.get("PPOFLOW_MLFLOW_UI_URL", DEFAULT_MLFLOW_UI_URL)
+    )
     return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
 
 
@@ -72,7 +76,9 @@ class PrefectRunView:
         if self.logger is None:
             return  # called without Prefect: the caller gets the exception itself
         self.logger.error(f"training failed: {one_line(error)}")
-        PrefectLogAdapter(logging.getLogger("prefect.extra"), extra=self.logger.extra).error("the failure's traceback", exc_info=error)
+        PrefectLogAdapter(logging.getLogger("prefect.extra"), extra=self.logger.extra).error(
+            "the failure's traceback", exc_info=error
+        )
 
     def step_started(self, step: int) -> None:
         """Step ``step`` begins. Every PRUNE_EVERY_STEPS steps, the task runs that this flow run started before step
@@ -98,11 +104,19 @@ class PrefectRunView:
     def link_run(self, mlflow_url: str, run_id: str, checkpoint_dir: str | Path) -> None:
         if not self.in_flow_run:
             return
-        create_link_artifact(mlflow_url, link_text=f"MLflow run {run_id}", key="mlflow-run",
-                             description="The training run in MLflow: metrics, config, samples, checkpoints.")
+        create_link_artifact(
+            mlflow_url,
+            link_text=f"MLflow run {run_id}",
+            key="mlflow-run",
+            description="The training run in MLflow: metrics, config, samples, checkpoints.",
+        )
         folder = Path(checkpoint_dir).expanduser().resolve()
-        create_link_artifact(folder.as_uri(), link_text=str(folder), key="checkpoints",
-                             description="The run's step checkpoints (global_step_N, safetensors).")
+        create_link_artifact(
+            folder.as_uri(),
+            link_text=str(folder),
+            key="checkpoints",
+            description="The run's step checkpoints (global_step_N, safetensors).",
+        )
 
     def progress(self, step: int, total: int, summary: str, force: bool = False) -> None:
         """Step ``step`` of ``total`` done; ``summary`` (the latest score, validation metric) is the description.
@@ -157,8 +171,11 @@ def delete_task_runs_before(flow_run_id: str, cutoff: datetime) -> int:
     try:
         with get_client(sync_client=True) as client:
             while True:
-                task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
-                                                  task_run_filter=TaskRunFilter(start_time=TaskRunFilterStartTime(before_=cutoff)), limit=200)
+                task_runs = client.read_task_runs(
+                    flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+                    task_run_filter=TaskRunFilter(start_time=TaskRunFilterStartTime(before_=cutoff)),
+                    limit=200,
+                )
                 for task_run in task_runs:
                     client.delete_task_run(task_run.id)
                 deleted += len(task_runs)

@@ -3,7 +3,8 @@ Prefect's flow-run parameters.
 
 A secret is the value of a key whose last part names one (``hf_token``, ``api_key``, ``password``, ...), a string
 shaped like a well-known token (Hugging Face ``hf_...``, OpenAI ``sk-...``, GitHub ``ghp_...``, AWS ``AKIA...``), or the
-password of a URL (``postgresql://user:password@host/db``). Pass secrets through the environment — ``custom_reward_function.reward_kwargs.api_key='${oc.env:MY_API_KEY}'``
+password of a URL (``postgresql://user:password@host/db``). Pass secrets through the environment —
+``custom_reward_function.reward_kwargs.api_key='${oc.env:MY_API_KEY}'``
 — so that only the interpolation is ever written down; a secret given as a command-line override anyway reaches
 the run through the environment of the process, not as a Prefect parameter.
 """
@@ -19,9 +20,13 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-SECRET_KEY = re.compile(r"(^|[._])(\w*_)?(token|secret|password|passwd|api_?key|access_?key|secret_?key|private_?key|credentials?|auth)$",
-                        re.IGNORECASE)
-SECRET_VALUE = re.compile(r"\b(hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_\-]{20,}|gh[pousr]_[A-Za-z0-9]{20,}|AKIA[0-9A-Z]{16})\b")
+SECRET_KEY = re.compile(
+    r"(^|[._])(\w*_)?(token|secret|password|passwd|api_?key|access_?key|secret_?key|private_?key|credentials?|auth)$",
+    re.IGNORECASE,
+)
+SECRET_VALUE = re.compile(
+    r"\b(hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_\-]{20,}|gh[pousr]_[A-Za-z0-9]{20,}|AKIA[0-9A-Z]{16})\b"
+)
 URL_PASSWORD = re.compile(r"(://[^/:@\s]+:)[^/@\s]+(@)")  # the password of scheme://user:password@host
 REDACTED = "***"
 SECRET_OVERRIDES_ENV = "PPOFLOW_SECRET_OVERRIDES"
@@ -35,7 +40,9 @@ def redacted(config: DictConfig) -> DictConfig:
     """A copy of ``config`` with the values of secret keys, and every occurrence of them or of a token-shaped string
     in other values, replaced by ``***``."""
     plain = OmegaConf.to_container(config, resolve=True)
-    secrets = {str(value) for key, value in _leaves(plain) if value is not None and is_secret_key(key) and len(str(value)) >= 4}
+    secrets = {
+        str(value) for key, value in _leaves(plain) if value is not None and is_secret_key(key) and len(str(value)) >= 4
+    }
 
     def scrub(node: Any, key: str) -> Any:
         if isinstance(node, dict):
@@ -94,7 +101,11 @@ def split_secret_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
     """(the overrides that may be stored, the ones that set a secret key, hold a token-shaped value, or contain the
     value of a secret key given in another override)."""
     parts = [(override, *override.partition("=")[::2]) for override in overrides]
-    values = {value.strip("'\"") for _, key, value in parts if is_secret_key(key.lstrip("+~")) and len(value.strip("'\"")) >= 4}
+    values = {
+        value.strip("'\"")
+        for _, key, value in parts
+        if is_secret_key(key.lstrip("+~")) and len(value.strip("'\"")) >= 4
+    }
     public, secret = [], []
     for override, key, value in parts:
         hides = is_secret_key(key.lstrip("+~")) or SECRET_VALUE.search(value) or any(v in value for v in values)

@@ -1,4 +1,5 @@
-"""The PPO step's stages as Prefect tasks: the stage runner the training flow gives :func:`rl_core.ppo_step.run_ppo_step`.
+"""The PPO step's stages as Prefect tasks: the stage runner the training flow gives
+:func:`rl_core.ppo_step.run_ppo_step`.
 
 Each stage function of ``rl_core.ppo_step`` becomes one task of the same name, so the Prefect UI shows one task run
 per stage per step, with the data dependencies between them (a stage's inputs are earlier stages' outputs). The
@@ -20,6 +21,7 @@ from prefect.cache_policies import NO_CACHE
 
 from infra.worker_group import WorkerDiedError, WorkerTimeoutError
 from rl_core import ppo_step
+
 
 def retryable(error: BaseException) -> bool:
     """Transient errors are retried in place; a dead or timed-out worker needs the group rebuilt, which the flow does

@@ -12,7 +12,8 @@ every child, a sweep value varies.
 
 Each child is a training run whose MLflow run is nested under the parent (``mlflow.parentRunId``) with its own
 checkpoint folder; children run as the ``ppoflow-train/train`` deployment when the sweep itself runs as a deployment
-of ``ppoflow serve`` (which serves both), else as subflows; one after another. A child that fails is marked (``FAILED``, with its error) and the sweep goes on; a
+of ``ppoflow serve`` (which serves both), else as subflows; one after another. A child that fails is marked (``FAILED``,
+with its error) and the sweep goes on; a
 sweep started again with the same name continues under the same parent run and skips the children that finished.
 At the end the comparison (each child's overrides and final metrics, best first by ``metric`` in ``direction``) is
 a Prefect markdown artifact and ``comparison.md`` / ``comparison.json`` on the parent run, with ``curves.png``.
@@ -48,8 +49,15 @@ from flows.train import train
 TRAIN_DEPLOYMENT = "ppoflow-train/train"
 SCORE_METRIC = "critic/score/mean"
 # keys the sweep sets for each child (its run name, checkpoint folder, store): a sweep cannot vary them
-SET_BY_SWEEP = ("trainer.project_name", "trainer.experiment_name", "trainer.default_local_dir", "trainer.tracking_uri",
-                "trainer.artifact_location", "trainer.resume_mode", "trainer.resume_from_path")
+SET_BY_SWEEP = (
+    "trainer.project_name",
+    "trainer.experiment_name",
+    "trainer.default_local_dir",
+    "trainer.tracking_uri",
+    "trainer.artifact_location",
+    "trainer.resume_mode",
+    "trainer.resume_from_path",
+)
 
 
 class SweepError(ValueError):
@@ -58,8 +66,8 @@ class SweepError(ValueError):
 
 @dataclass
 class SearchSpace:
-    fixed: list[str]          # overrides every child gets
-    swept: list[Override]     # the keys that vary, as Hydra parsed them
+    fixed: list[str]  # overrides every child gets
+    swept: list[Override]  # the keys that vary, as Hydra parsed them
 
     def keys(self) -> list[str]:
         return [override.key_or_group for override in self.swept]
@@ -69,7 +77,7 @@ class SearchSpace:
 class ChildResult:
     index: int
     overrides: list[str]
-    status: str = "FAILED"            # FINISHED | FAILED
+    status: str = "FAILED"  # FINISHED | FAILED
     run_id: str | None = None
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
@@ -81,28 +89,40 @@ def parse_search_space(overrides: list[str], search: str) -> SearchSpace:
     try:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
     except HydraException as error:
-        raise SweepError(f"{str(error).splitlines()[0]}: write key=a,b (or range(...), interval(...)) in Hydra's syntax") from None
+        raise SweepError(
+            f"{str(error).splitlines()[0]}: write key=a,b (or range(...), interval(...)) in Hydra's syntax"
+        ) from None
     fixed, swept = [], []
     for override in parsed:
         key = override.key_or_group
         if override.is_sweep_override():
             if key in SET_BY_SWEEP:
-                raise SweepError(f"{key} cannot vary in a sweep: the sweep sets it for each child (run name, checkpoint folder, store)")
+                raise SweepError(
+                    f"{key} cannot vary in a sweep: the sweep sets it for each child (run name, checkpoint folder, "
+                    "store)"
+                )
             if key in [other.key_or_group for other in swept]:
                 raise SweepError(f"{key} is swept twice; give its values in one override ({key}=a,b,c)")
             if search == "grid" and isinstance(override.value(), IntervalSweep):
-                raise SweepError(f"{override.input_line}: an interval has no grid; list values ({key}=a,b) or use search=random or tpe")
+                raise SweepError(
+                    f"{override.input_line}: an interval has no grid; list values ({key}=a,b) or use search=random or "
+                    "tpe"
+                )
             swept.append(override)
         else:
             fixed.append(override.input_line)
     if not swept:
-        raise SweepError("the sweep varies nothing: give at least one key several values (e.g. algorithm.adv_estimator=grpo,rloo)")
+        raise SweepError(
+            "the sweep varies nothing: give at least one key several values (e.g. algorithm.adv_estimator=grpo,rloo)"
+        )
     return SearchSpace(fixed, swept)
 
 
 def grid(space: SearchSpace) -> list[list[str]]:
     """Every combination of the swept values, as each child's overrides (first key slowest)."""
-    values = [[f"{override.key_or_group}={value}" for value in override.sweep_string_iterator()] for override in space.swept]
+    values = [
+        [f"{override.key_or_group}={value}" for value in override.sweep_string_iterator()] for override in space.swept
+    ]
     return [list(combination) for combination in itertools.product(*values)]
 
 
@@ -127,7 +147,11 @@ def sweep_name(overrides: list[str], search: str) -> str:
 def optuna_storage(config: DictConfig) -> str:
     """Beside a SQLite MLflow store, else in ``trainer.default_local_dir``."""
     uri = tracking_uri(config)
-    folder = Path(uri.removeprefix("sqlite:///")).parent if uri.startswith("sqlite:///") else Path(config.trainer.default_local_dir)
+    folder = (
+        Path(uri.removeprefix("sqlite:///")).parent
+        if uri.startswith("sqlite:///")
+        else Path(config.trainer.default_local_dir)
+    )
     folder = folder.expanduser().resolve()
     folder.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{folder / 'optuna.db'}"
@@ -135,7 +159,8 @@ def optuna_storage(config: DictConfig) -> str:
 
 # ---------------------------------------------------------------------------------------------- runs
 def resolve_metric(metric: str, metrics: dict[str, float]) -> str:
-    """``metric`` in MLflow's form; ``auto`` = the first validation mean (``val-core/.../mean_at_n``), else the score."""
+    """``metric`` in MLflow's form; ``auto`` = the first validation mean (``val-core/.../mean_at_n``), else the
+    score."""
     if metric != "auto":
         return metric_key(metric)
     val = sorted(k for k in metrics if k.startswith("val-core/") and "/mean_at_" in k)
@@ -155,7 +180,11 @@ def run_child(overrides: list[str], tags: dict[str, str], as_deployment: bool) -
         state = flow_run.state
     else:
         state = train(overrides=overrides, tags=tags, return_state=True)
-    return None if state is not None and state.is_completed() else (state.message if state is not None else "no final state")
+    return (
+        None
+        if state is not None and state.is_completed()
+        else (state.message if state is not None else "no final state")
+    )
 
 
 class ParentRun:
@@ -166,41 +195,61 @@ class ParentRun:
         self.uri = tracking_uri(config)
         self.experiment_id = experiment_id(self.client, config)
         self.name = name
-        found = self.client.search_runs([self.experiment_id], f"tags.`ppoflow.sweep` = '{name}' and tags.`ppoflow.kind` = 'sweep'",
-                                        order_by=["attributes.start_time DESC"], max_results=1)
+        found = self.client.search_runs(
+            [self.experiment_id],
+            f"tags.`ppoflow.sweep` = '{name}' and tags.`ppoflow.kind` = 'sweep'",
+            order_by=["attributes.start_time DESC"],
+            max_results=1,
+        )
         if found:  # the same sweep started again: continue it
             self.run_id = found[0].info.run_id
             self.client.update_run(self.run_id, status="RUNNING")
         else:
-            self.run_id = self.client.create_run(self.experiment_id, run_name=name, tags={"ppoflow.kind": "sweep", "ppoflow.sweep": name}).info.run_id
+            self.run_id = self.client.create_run(
+                self.experiment_id, run_name=name, tags={"ppoflow.kind": "sweep", "ppoflow.sweep": name}
+            ).info.run_id
             self.client.log_batch(self.run_id, params=[Param(k, str(v)[:6000]) for k, v in settings.items()])
 
     def child_tags(self, index: int) -> dict[str, str]:
         return {"mlflow.parentRunId": self.run_id, "ppoflow.sweep": self.name, "ppoflow.sweep_child": str(index)}
 
     def child_run(self, index: int) -> Any:
-        found = self.client.search_runs([self.experiment_id], f"tags.`mlflow.parentRunId` = '{self.run_id}' and tags.`ppoflow.sweep_child` = '{index}'",
-                                        order_by=["attributes.start_time DESC"], max_results=1)
+        found = self.client.search_runs(
+            [self.experiment_id],
+            f"tags.`mlflow.parentRunId` = '{self.run_id}' and tags.`ppoflow.sweep_child` = '{index}'",
+            order_by=["attributes.start_time DESC"],
+            max_results=1,
+        )
         return found[0] if found else None
 
     def child_overrides(self, config: DictConfig, index: int) -> list[str]:
         """What the sweep sets for child ``index``: its run name, its own checkpoint folder, the same store."""
-        folder = Path(config.trainer.default_local_dir).expanduser().resolve() / "sweeps" / self.run_id / f"child-{index}"
-        return [f"trainer.experiment_name={hydra_value(f'{self.name}-{index}')}", f"trainer.default_local_dir={hydra_value(str(folder))}",
-                f"trainer.tracking_uri={hydra_value(self.uri)}", "trainer.resume_mode=auto"]
+        folder = (
+            Path(config.trainer.default_local_dir).expanduser().resolve() / "sweeps" / self.run_id / f"child-{index}"
+        )
+        return [
+            f"trainer.experiment_name={hydra_value(f'{self.name}-{index}')}",
+            f"trainer.default_local_dir={hydra_value(str(folder))}",
+            f"trainer.tracking_uri={hydra_value(self.uri)}",
+            "trainer.resume_mode=auto",
+        ]
 
     def record(self, index: int, overrides: list[str], error: str | None) -> ChildResult:
         """The child's result from its MLflow run; a child that failed before making one gets a FAILED run here."""
         run = self.child_run(index)
         if run is None:
-            run = self.client.create_run(self.experiment_id, run_name=f"{self.name}-{index}", tags=self.child_tags(index))
+            run = self.client.create_run(
+                self.experiment_id, run_name=f"{self.name}-{index}", tags=self.child_tags(index)
+            )
             self.client.set_terminated(run.info.run_id, status="FAILED")
         result = ChildResult(index, overrides, run_id=run.info.run_id, metrics=dict(run.data.metrics))
         if error is None and run.info.status == "FINISHED":
             result.status = "FINISHED"
         else:
             result.error = error or run.data.tags.get("ppoflow.error", f"the run ended {run.info.status}")
-            self.client.log_batch(run.info.run_id, tags=[RunTag("ppoflow.error", result.error[:5000]), RunTag("ppoflow.status", "failed")])
+            self.client.log_batch(
+                run.info.run_id, tags=[RunTag("ppoflow.error", result.error[:5000]), RunTag("ppoflow.status", "failed")]
+            )
             if run.info.status != "FAILED":
                 self.client.set_terminated(run.info.run_id, status="FAILED")
         return result
@@ -209,25 +258,37 @@ class ParentRun:
 # ---------------------------------------------------------------------------------------------- comparison
 def ranked(results: list[ChildResult], metric: str, direction: str) -> list[ChildResult]:
     """Best first by ``metric`` (``max`` or ``min``); children without the metric (failed ones) last."""
+
     def key(result: ChildResult) -> tuple[int, float]:
         value = result.metrics.get(metric)
         if value is None or not math.isfinite(value):
             return (1, 0.0)
         return (0, -value if direction == "max" else value)
+
     return sorted(results, key=key)
 
 
 def comparison_markdown(name: str, results: list[ChildResult], metric: str, direction: str, swept: list[str]) -> str:
-    columns = sorted({k for r in results for k in r.metrics if k.startswith("val-core/") or k == SCORE_METRIC} | {metric})
-    lines = [f"# Sweep {name}: best first by `{metric}` ({direction})", "",
-             "| rank | child | status | " + " | ".join(swept) + " | " + " | ".join(f"`{c}`" for c in columns) + " | run |",
-             "|" + "---|" * (4 + len(swept) + len(columns))]
+    columns = sorted(
+        {k for r in results for k in r.metrics if k.startswith("val-core/") or k == SCORE_METRIC} | {metric}
+    )
+    lines = [
+        f"# Sweep {name}: best first by `{metric}` ({direction})",
+        "",
+        "| rank | child | status | " + " | ".join(swept) + " | " + " | ".join(f"`{c}`" for c in columns) + " | run |",
+        "|" + "---|" * (4 + len(swept) + len(columns)),
+    ]
     for rank, result in enumerate(results, 1):
         chosen = {o.split("=", 1)[0]: o.split("=", 1)[1] for o in result.overrides}
         values = [f"{result.metrics[c]:.4f}" if c in result.metrics else "-" for c in columns]
         status = result.status if result.error is None else f"FAILED: {result.error[:120]}"
-        lines.append(f"| {rank} | {result.index} | {status} | " + " | ".join(chosen.get(k, "") for k in swept) + " | "
-                     + " | ".join(values) + f" | {result.run_id or '-'} |")
+        lines.append(
+            f"| {rank} | {result.index} | {status} | "
+            + " | ".join(chosen.get(k, "") for k in swept)
+            + " | "
+            + " | ".join(values)
+            + f" | {result.run_id or '-'} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -246,7 +307,11 @@ def curves_png(client: MlflowClient, results: list[ChildResult], metric: str, pa
                 continue
             history = sorted((m.step, m.value) for m in client.get_metric_history(result.run_id, name))
             if history:
-                axis.plot(*zip(*history), marker="." if len(history) < 20 else None, label=f"{result.index}: {' '.join(result.overrides)}")
+                axis.plot(
+                    *zip(*history),
+                    marker="." if len(history) < 20 else None,
+                    label=f"{result.index}: {' '.join(result.overrides)}",
+                )
         axis.set_title(name)
         axis.set_xlabel("step")
     axes[0][0].legend(fontsize=7)
@@ -256,11 +321,15 @@ def curves_png(client: MlflowClient, results: list[ChildResult], metric: str, pa
 
 
 # ---------------------------------------------------------------------------------------------- the flow
-def check_sweep(overrides: list[str], search: str = "grid", trials: int = 8, direction: str = "max") -> tuple[SearchSpace, DictConfig, list[list[str]] | None]:
+def check_sweep(
+    overrides: list[str], search: str = "grid", trials: int = 8, direction: str = "max"
+) -> tuple[SearchSpace, DictConfig, list[list[str]] | None]:
     """(search space, the fixed overrides' config, the grid's children or None for a search), every child's config
     checked before any child runs; a :class:`SweepError` naming the override otherwise."""
     if search not in ("grid", "random", "tpe") or direction not in ("max", "min"):
-        raise SweepError(f"search={search!r}, direction={direction!r}: search is grid, random or tpe; direction is max or min")
+        raise SweepError(
+            f"search={search!r}, direction={direction!r}: search is grid, random or tpe; direction is max or min"
+        )
     if search != "grid" and trials < 1:
         raise SweepError(f"trials={trials}: a {search} search needs at least one trial")
     space = parse_search_space(overrides, search)
@@ -269,8 +338,13 @@ def check_sweep(overrides: list[str], search: str = "grid", trials: int = 8, dir
     except ConfigError as error:
         raise SweepError(f"the sweep's fixed overrides: {error}") from None
     candidates = grid(space) if search == "grid" else None
-    for child in candidates or [[f"{o.key_or_group}={next(iter(o.sweep_string_iterator()))}" for o in space.swept
-                                 if not isinstance(o.value(), IntervalSweep)]]:
+    for child in candidates or [
+        [
+            f"{o.key_or_group}={next(iter(o.sweep_string_iterator()))}"
+            for o in space.swept
+            if not isinstance(o.value(), IntervalSweep)
+        ]
+    ]:
         try:
             compose_config(space.fixed + child)
         except ConfigError as error:
@@ -278,14 +352,30 @@ def check_sweep(overrides: list[str], search: str = "grid", trials: int = 8, dir
     return space, base, candidates
 
 
-def run_sweep(overrides: list[str], search: str = "grid", trials: int = 8, metric: str = "auto", direction: str = "max",
-              name: str | None = None, seed: int = 0) -> dict[str, Any]:
+def run_sweep(
+    overrides: list[str],
+    search: str = "grid",
+    trials: int = 8,
+    metric: str = "auto",
+    direction: str = "max",
+    name: str | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
     """Everything the sweep flow does (see the module doc); returns the parent run id and the ranked children."""
     space, base, candidates = check_sweep(overrides, search, trials, direction)
     name = name or sweep_name(overrides, search)
 
-    parent = ParentRun(base, name, {"sweep.search": search, "sweep.overrides": " ".join(overrides), "sweep.metric": metric,
-                                    "sweep.direction": direction, "sweep.trials": trials if search != "grid" else len(candidates)})
+    parent = ParentRun(
+        base,
+        name,
+        {
+            "sweep.search": search,
+            "sweep.overrides": " ".join(overrides),
+            "sweep.metric": metric,
+            "sweep.direction": direction,
+            "sweep.trials": trials if search != "grid" else len(candidates),
+        },
+    )
     view = PrefectRunView()
     view.log(f"sweep {name}: {search} over {', '.join(space.keys())}; MLflow parent run {parent.run_id}")
     as_deployment = children_as_deployments()
@@ -296,7 +386,9 @@ def run_sweep(overrides: list[str], search: str = "grid", trials: int = 8, metri
         if existing is not None and existing.info.status == "FINISHED":
             view.log(f"child {index} ({' '.join(child)}) finished earlier: run {existing.info.run_id}")
             return ChildResult(index, child, "FINISHED", existing.info.run_id, metrics=dict(existing.data.metrics))
-        view.log(f"child {index}: {' '.join(child)} ({'deployment ' + TRAIN_DEPLOYMENT if as_deployment else 'subflow'})")
+        view.log(
+            f"child {index}: {' '.join(child)} ({'deployment ' + TRAIN_DEPLOYMENT if as_deployment else 'subflow'})"
+        )
         try:
             # a failed child frees its workers for the next one (unless the sweep's own overrides say otherwise)
             overrides = ["trainer.keep_workers=false", *space.fixed, *child, *parent.child_overrides(base, index)]
@@ -312,17 +404,32 @@ def run_sweep(overrides: list[str], search: str = "grid", trials: int = 8, metri
     else:
         import optuna
 
-        sampler = optuna.samplers.RandomSampler(seed=seed) if search == "random" else optuna.samplers.TPESampler(seed=seed)
-        study = optuna.create_study(study_name=name, storage=optuna_storage(base), sampler=sampler, load_if_exists=True,
-                                    direction="maximize" if direction == "max" else "minimize")
-        for stale in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):  # a crashed sweep's trial
+        sampler = (
+            optuna.samplers.RandomSampler(seed=seed) if search == "random" else optuna.samplers.TPESampler(seed=seed)
+        )
+        study = optuna.create_study(
+            study_name=name,
+            storage=optuna_storage(base),
+            sampler=sampler,
+            load_if_exists=True,
+            direction="maximize" if direction == "max" else "minimize",
+        )
+        for stale in study.get_trials(
+            deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)
+        ):  # a crashed sweep's trial
             study.tell(stale.number, state=optuna.trial.TrialState.FAIL)
         done = [t for t in study.get_trials(deepcopy=False) if t.state.is_finished()]
         for trial_record in done:
             run = parent.child_run(trial_record.number)
-            results.append(ChildResult(trial_record.number, [f"{k}={v}" for k, v in trial_record.params.items()],
-                                       "FINISHED" if run is not None and run.info.status == "FINISHED" else "FAILED",
-                                       run.info.run_id if run else None, metrics=dict(run.data.metrics) if run else {}))
+            results.append(
+                ChildResult(
+                    trial_record.number,
+                    [f"{k}={v}" for k, v in trial_record.params.items()],
+                    "FINISHED" if run is not None and run.info.status == "FINISHED" else "FAILED",
+                    run.info.run_id if run else None,
+                    metrics=dict(run.data.metrics) if run else {},
+                )
+            )
         while len(results) < trials:
             trial = study.ask()
             result = run_one(trial.number, suggest(trial, space))
@@ -351,16 +458,31 @@ def run_sweep(overrides: list[str], search: str = "grid", trials: int = 8, metri
     parent.client.log_batch(parent.run_id, tags=tags)
     parent.client.set_terminated(parent.run_id, status="FINISHED")
     if view.in_flow_run:
-        create_markdown_artifact(table + f"\n[MLflow parent run]({mlflow_run_url(parent.uri, parent.experiment_id, parent.run_id)})",
-                                 key="sweep-comparison", description=f"sweep {name}: children best first by {chosen_metric}")
+        create_markdown_artifact(
+            table + f"\n[MLflow parent run]({mlflow_run_url(parent.uri, parent.experiment_id, parent.run_id)})",
+            key="sweep-comparison",
+            description=f"sweep {name}: children best first by {chosen_metric}",
+        )
     view.log(table)
-    return {"tracking_uri": parent.uri, "parent_run_id": parent.run_id, "name": name, "metric": chosen_metric,
-            "children": [asdict(r) for r in order]}
+    return {
+        "tracking_uri": parent.uri,
+        "parent_run_id": parent.run_id,
+        "name": name,
+        "metric": chosen_metric,
+        "children": [asdict(r) for r in order],
+    }
 
 
 @flow(name="ppoflow-sweep")
-def sweep(overrides: list[str], search: Literal["grid", "random", "tpe"] = "grid", trials: int = 8, metric: str = "auto",
-          direction: Literal["max", "min"] = "max", name: str | None = None, seed: int = 0) -> dict[str, Any]:
+def sweep(
+    overrides: list[str],
+    search: Literal["grid", "random", "tpe"] = "grid",
+    trials: int = 8,
+    metric: str = "auto",
+    direction: Literal["max", "min"] = "max",
+    name: str | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
     """Training runs over the Hydra sweep in ``overrides`` (``key=a,b`` varies, ``key=v`` is fixed; ``range(...)``;
     ``interval(...)`` for random/tpe), compared by ``metric`` (``auto``: the first validation mean@n, else the
     training score) in ``direction``. ``trials`` bounds a random/tpe search; ``name`` (default: from the overrides)

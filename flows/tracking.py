@@ -63,7 +63,8 @@ def open_store(uri: str) -> MlflowClient:
 
 
 def experiment_id(client: MlflowClient, config: DictConfig) -> str:
-    """The id of the experiment ``trainer.project_name``, created (artifacts under ``trainer.artifact_location``) if new."""
+    """The id of the experiment ``trainer.project_name``, created (artifacts under ``trainer.artifact_location``) if
+    new."""
     experiment = client.get_experiment_by_name(config.trainer.project_name)
     if experiment is not None:
         return experiment.experiment_id
@@ -88,14 +89,25 @@ def mark_killed(uri: str, run_id: str, reason: str) -> bool:
 class RunTracker:
     """A new run (with the config as params and ``tags`` besides ``ppoflow.status``), or the existing ``run_id``."""
 
-    def __init__(self, config: DictConfig, run_id: str | None = None, tags: dict[str, str] | None = None, run_name: str | None = None):
+    def __init__(
+        self,
+        config: DictConfig,
+        run_id: str | None = None,
+        tags: dict[str, str] | None = None,
+        run_name: str | None = None,
+    ):
         self.uri = tracking_uri(config)
         self.client = open_store(self.uri)
-        self.background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ppoflow-mlflow")  # one: calls stay in order
+        self.background = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="ppoflow-mlflow"
+        )  # one: calls stay in order
         self.pending: list[Future] = []
         if run_id is None:
-            run = self.client.create_run(experiment_id(self.client, config), run_name=run_name or config.trainer.experiment_name,
-                                         tags={**(tags or {}), "ppoflow.status": "running"})
+            run = self.client.create_run(
+                experiment_id(self.client, config),
+                run_name=run_name or config.trainer.experiment_name,
+                tags={**(tags or {}), "ppoflow.status": "running"},
+            )
             self.run_id = run.info.run_id
             self._log_config(config)
             self.active = True
@@ -104,7 +116,9 @@ class RunTracker:
             run = self.client.get_run(run_id)  # fails clearly when the run does not exist
             self.active = False  # a resumed run's status changes only once the restore succeeded: mark_running()
         self.experiment_id = run.info.experiment_id
-        self.last_logged_step = max((m.step for m in self.client.get_metric_history(self.run_id, STEP_MARKER)), default=-1)
+        self.last_logged_step = max(
+            (m.step for m in self.client.get_metric_history(self.run_id, STEP_MARKER)), default=-1
+        )
 
     def _log_config(self, config: DictConfig) -> None:
         safe = redacted(config)  # no secret in params or in the YAML (flows/secrets.py)
@@ -119,7 +133,9 @@ class RunTracker:
         if step <= self.last_logged_step:
             return False
         now = int(time.time() * 1000)
-        entries = [Metric(metric_key(key), float(value), now, step) for key, value in metrics.items() if value is not None]
+        entries = [
+            Metric(metric_key(key), float(value), now, step) for key, value in metrics.items() if value is not None
+        ]
         entries.append(Metric(STEP_MARKER, float(step), now, step))
         self._raise_background_error()
         self.pending.append(self.background.submit(self.client.log_batch, self.run_id, metrics=entries))
@@ -182,7 +198,9 @@ class RunTracker:
         except Exception:  # the store failed already: the tags below say why the run ended, if it can take them
             self.pending = []
         if self.active:
-            detail = str(error) or (f"signal {error.signal}" if hasattr(error, "signal") else "")  # Prefect's TerminationSignal has no message
+            detail = str(error) or (
+                f"signal {error.signal}" if hasattr(error, "signal") else ""
+            )  # Prefect's TerminationSignal has no message
             self.set_tags({"ppoflow.error": f"{type(error).__name__}: {detail}"[:5000]})
             self.finish("KILLED" if killed else "FAILED")
 

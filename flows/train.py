@@ -38,7 +38,16 @@ from infra.cluster import connect, is_persistent
 from infra.worker_group import WorkerDiedError, WorkerGroup, WorkerTimeoutError
 from rl_core.algos.kl import get_kl_controller
 from rl_core.batch import Batch
-from rl_core.batch_fields import ADVANTAGES, ATTENTION_MASK, OLD_LOG_PROBS, PROMPTS, REF_LOG_PROB, RESPONSE_MASK, RESPONSES, TOKEN_LEVEL_SCORES
+from rl_core.batch_fields import (
+    ADVANTAGES,
+    ATTENTION_MASK,
+    OLD_LOG_PROBS,
+    PROMPTS,
+    REF_LOG_PROB,
+    RESPONSE_MASK,
+    RESPONSES,
+    TOKEN_LEVEL_SCORES,
+)
 from rl_core.data.dataset import RLDataset
 from rl_core.data.sampler import ResumableSampler
 from rl_core.input_checks import check_run_inputs
@@ -58,9 +67,15 @@ class Progress:
     kl_controller: Any
 
     def state(self, run_id: str, worker_steps: dict[str, int]) -> dict[str, Any]:
-        """``worker_steps``: each role's update count at the checkpoint (a reattached worker still there needs no reload)."""
-        return {"global_step": self.global_step, "sampler": self.sampler.state_dict(), "kl_controller": self.kl_controller.state_dict(),
-                "mlflow_run_id": run_id, "worker_steps": worker_steps}
+        """``worker_steps``: each role's update count at the checkpoint (a reattached worker still there needs no
+        reload)."""
+        return {
+            "global_step": self.global_step,
+            "sampler": self.sampler.state_dict(),
+            "kl_controller": self.kl_controller.state_dict(),
+            "mlflow_run_id": run_id,
+            "worker_steps": worker_steps,
+        }
 
 
 def every(step: int, freq: int, last: int) -> bool:
@@ -76,13 +91,18 @@ def resume_folder(config: DictConfig, checkpoints: StepCheckpoints, log=print) -
         earlier = checkpoints.steps()
         if earlier:
             runs = sorted({str(checkpoints.run_of(step)) for step in earlier})
-            log(f"trainer.resume_mode=disable: {checkpoints.root} holds checkpoints of MLflow run(s) {', '.join(runs)} (steps "
-                f"{earlier[0]}-{earlier[-1]}); this run's global_step_N folders replace theirs of the same step, the others stay "
-                f"(a run prunes only its own); another trainer.default_local_dir keeps the runs apart")
+            log(
+                f"trainer.resume_mode=disable: {checkpoints.root} holds checkpoints of MLflow run(s) {', '.join(runs)} "
+                f"(steps {earlier[0]}-{earlier[-1]}); this run's global_step_N folders replace theirs of the same "
+                "step, the others stay (a run prunes only its own); another trainer.default_local_dir keeps the runs "
+                "apart"
+            )
         return None
     if mode == "resume_path":
         if not config.trainer.resume_from_path:
-            raise CheckpointError("trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_N folder)")
+            raise CheckpointError(
+                "trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_N folder)"
+            )
         folder = Path(config.trainer.resume_from_path)
         checkpoints.check_intact(folder)
         return folder
@@ -101,12 +121,18 @@ def samples_table(batch: Batch, tokenizer: Any, count: int) -> dict[str, list]:
     lengths = tensors[RESPONSE_MASK].sum(-1).tolist()
     prompt_width = tensors[PROMPTS].shape[1]
     table = {
-        "prompt": [tokenizer.decode(tensors[PROMPTS][r][tensors[ATTENTION_MASK][r, :prompt_width].bool()], skip_special_tokens=False)
-                   for r in rows],
+        "prompt": [
+            tokenizer.decode(
+                tensors[PROMPTS][r][tensors[ATTENTION_MASK][r, :prompt_width].bool()], skip_special_tokens=False
+            )
+            for r in rows
+        ],
         "response": [tokenizer.decode(tensors[RESPONSES][r, : lengths[r]], skip_special_tokens=False) for r in rows],
         "score": [float(tensors[TOKEN_LEVEL_SCORES][r].sum()) for r in rows],
         "advantage": [float(tensors[ADVANTAGES][r, 0]) for r in rows],
-        "response_tokens": [[tokenizer.decode([token]) for token in tensors[RESPONSES][r, : lengths[r]].tolist()] for r in rows],
+        "response_tokens": [
+            [tokenizer.decode([token]) for token in tensors[RESPONSES][r, : lengths[r]].tolist()] for r in rows
+        ],
         "token_advantages": [tensors[ADVANTAGES][r, : lengths[r]].tolist() for r in rows],
     }
     if REF_LOG_PROB in tensors and OLD_LOG_PROBS in tensors:
@@ -115,24 +141,39 @@ def samples_table(batch: Batch, tokenizer: Any, count: int) -> dict[str, list]:
     return table
 
 
-def save_checkpoint(workers: WorkerGroup, checkpoints: StepCheckpoints, progress: Progress, tracker: RunTracker, timeout: float) -> Path:
+def save_checkpoint(
+    workers: WorkerGroup, checkpoints: StepCheckpoints, progress: Progress, tracker: RunTracker, timeout: float
+) -> Path:
     staging = checkpoints.staging_dir(progress.global_step)
-    workers.role("actor_rollout_ref").save_checkpoint(str(staging / "actor"), timeout_s=timeout, stage="save_checkpoint")
+    workers.role("actor_rollout_ref").save_checkpoint(
+        str(staging / "actor"), timeout_s=timeout, stage="save_checkpoint"
+    )
     if "critic" in workers.roles:
         workers.role("critic").save_checkpoint(str(staging / "critic"), timeout_s=timeout, stage="save_checkpoint")
     worker_steps = workers.health(timeout)[0]["steps_trained"]
     tracker.flush()  # every step the checkpoint holds is in MLflow before the checkpoint exists
     folder = checkpoints.commit(progress.global_step, progress.state(tracker.run_id, worker_steps))
-    tracker.set_tags({"checkpoint/latest": folder.resolve(), f"checkpoint/global_step_{progress.global_step}": folder.resolve()})
+    tracker.set_tags(
+        {"checkpoint/latest": folder.resolve(), f"checkpoint/global_step_{progress.global_step}": folder.resolve()}
+    )
     return folder
 
 
-def restore(workers: WorkerGroup, folder: Path, progress: Progress, checkpoints: StepCheckpoints, timeout: float, load_weights: bool = True) -> None:
+def restore(
+    workers: WorkerGroup,
+    folder: Path,
+    progress: Progress,
+    checkpoints: StepCheckpoints,
+    timeout: float,
+    load_weights: bool = True,
+) -> None:
     """Data position and KL controller from the step checkpoint ``folder``, and (``load_weights``) the workers' weights,
     optimizers and RNG."""
     state = checkpoints.trainer_state(folder)
     if load_weights:
-        workers.role("actor_rollout_ref").load_checkpoint(str(folder / "actor"), timeout_s=timeout, stage="load_checkpoint")
+        workers.role("actor_rollout_ref").load_checkpoint(
+            str(folder / "actor"), timeout_s=timeout, stage="load_checkpoint"
+        )
         if "critic" in workers.roles:
             workers.role("critic").load_checkpoint(str(folder / "critic"), timeout_s=timeout, stage="load_checkpoint")
     progress.global_step = int(state["global_step"])
@@ -142,13 +183,20 @@ def restore(workers: WorkerGroup, folder: Path, progress: Progress, checkpoints:
 
 def validation_summary(metrics: dict[str, float]) -> str:
     """``<data source> <mean@n>, ...`` of the validation metrics among ``metrics`` ('' when there are none)."""
-    return ", ".join(f"{k[len('val-core/'):k.rindex('/acc/')]} {v:.3f}" for k, v in metrics.items() if k.startswith("val-core/") and "/mean@" in k)
+    return ", ".join(
+        f"{k[len('val-core/') : k.rindex('/acc/')]} {v:.3f}"
+        for k, v in metrics.items()
+        if k.startswith("val-core/") and "/mean@" in k
+    )
 
 
 def console_line(step: int, total: int, metrics: dict[str, float], seconds: float) -> str:
     kl = metrics.get("actor/kl_loss", metrics.get("actor/reward_kl_penalty", 0.0))
-    line = (f"step {step}/{total} | score {metrics.get('critic/score/mean', 0):.3f} | kl {kl:.4f} | "
-            f"entropy {metrics.get('actor/entropy', 0):.3f} | response_len {metrics.get('response_length/mean', 0):.1f} | {seconds:.1f}s")
+    line = (
+        f"step {step}/{total} | score {metrics.get('critic/score/mean', 0):.3f} | kl {kl:.4f} | entropy "
+        f"{metrics.get('actor/entropy', 0):.3f} | response_len {metrics.get('response_length/mean', 0):.1f} | "
+        f"{seconds:.1f}s"
+    )
     val = validation_summary(metrics)
     return line + (" | val " + val if val else "")
 
@@ -159,15 +207,22 @@ def run_training(config: DictConfig, tags: dict[str, str] | None = None) -> dict
     ``tags`` go on a new MLflow run (a sweep's child carries ``mlflow.parentRunId``)."""
     # --- set-up that cannot leave anything behind: assets, data, reward (a bad input fails here, before any run exists)
     apply_embedded_defaults(config)
-    check_run_inputs(config, tokenize=False)  # every problem at once, in a second (the datasets below check each prompt)
+    check_run_inputs(
+        config, tokenize=False
+    )  # every problem at once, in a second (the datasets below check each prompt)
     tokenizer = load_policy_tokenizer(config.actor_rollout_ref.model)
     train_data = RLDataset(config.data.train_files, tokenizer, config.data, config.data.train_max_samples)
     val_data = RLDataset(config.data.val_files, tokenizer, config.data, config.data.val_max_samples)
-    reward_manager = build_reward_manager(config, tokenizer, load_custom_reward_function(**config.custom_reward_function))
+    reward_manager = build_reward_manager(
+        config, tokenizer, load_custom_reward_function(**config.custom_reward_function)
+    )
 
     def fresh_progress() -> Progress:
-        return Progress(0, ResumableSampler(len(train_data), config.data.train_batch_size, config.data.shuffle, config.data.seed),
-                        get_kl_controller(config.algorithm.kl_ctrl))
+        return Progress(
+            0,
+            ResumableSampler(len(train_data), config.data.train_batch_size, config.data.shuffle, config.data.seed),
+            get_kl_controller(config.algorithm.kl_ctrl),
+        )
 
     progress = fresh_progress()
     total = resolved_total_steps(config, progress.sampler.batches_per_epoch)
@@ -175,13 +230,17 @@ def run_training(config: DictConfig, tags: dict[str, str] | None = None) -> dict
     config.critic.optim.total_training_steps = total
     checkpoints = StepCheckpoints(config.trainer.default_local_dir, config.trainer.max_ckpt_to_keep)
     view = PrefectRunView(config.trainer.prefect_history_steps)
-    with checkpoints.locked({"run": config.trainer.experiment_name}) as folder_lock:  # one run at a time in a checkpoint folder
+    with checkpoints.locked(
+        {"run": config.trainer.experiment_name}
+    ) as folder_lock:  # one run at a time in a checkpoint folder
         folder = resume_folder(config, checkpoints, view.log)
         resumed_state = checkpoints.trainer_state(folder) if folder else None
         if resumed_state is not None and resumed_state["global_step"] > total:
-            raise CheckpointError(f"{folder} is at step {resumed_state['global_step']}, past this run's {total} steps "
-                                  f"(trainer.total_training_steps / total_epochs): raise them to continue, or set "
-                                  f"trainer.resume_mode=disable (or another trainer.default_local_dir) to start over")
+            raise CheckpointError(
+                f"{folder} is at step {resumed_state['global_step']}, past this run's {total} steps "
+                "(trainer.total_training_steps / total_epochs): raise them to continue, or set "
+                "trainer.resume_mode=disable (or another trainer.default_local_dir) to start over"
+            )
 
         # --- from here on the MLflow run exists: any failure marks it FAILED and frees what this run started
         tracker = RunTracker(config, run_id=resumed_state["mlflow_run_id"] if resumed_state else None, tags=tags)
@@ -193,16 +252,30 @@ def run_training(config: DictConfig, tags: dict[str, str] | None = None) -> dict
         workers: WorkerGroup | None = None
         restarts = 0
         try:
-            if runtime.flow_run.id:  # the inspector links the MLflow run to its Prefect flow run, and the flow run to it
+            if (
+                runtime.flow_run.id
+            ):  # the inspector links the MLflow run to its Prefect flow run, and the flow run to it
                 tracker.set_tags({"ppoflow.prefect_flow_run_id": runtime.flow_run.id})
-            view.link_run(mlflow_run_url(tracker.uri, tracker.experiment_id, tracker.run_id), tracker.run_id, config.trainer.default_local_dir)
+            view.link_run(
+                mlflow_run_url(tracker.uri, tracker.experiment_id, tracker.run_id),
+                tracker.run_id,
+                config.trainer.default_local_dir,
+            )
             connect(config.trainer.ray.address, num_cpus=config.trainer.ray.num_cpus)
-            namespace = run_namespace(tracker.run_id)  # keyed by the training run: the next controller of this run finds them
+            namespace = run_namespace(
+                tracker.run_id
+            )  # keyed by the training run: the next controller of this run finds them
             workers = reattach_workers(config, namespace) if folder else None
             reuse_weights = workers is not None and weights_at(workers, resumed_state, timeout)
             if workers is not None:
-                view.log(f"reattached to the run's {workers.world_size} live worker(s): "
-                         + ("their weights are the checkpoint's, nothing to reload" if reuse_weights else "reloading their weights from the checkpoint"))
+                view.log(
+                    f"reattached to the run's {workers.world_size} live worker(s): "
+                    + (
+                        "their weights are the checkpoint's, nothing to reload"
+                        if reuse_weights
+                        else "reloading their weights from the checkpoint"
+                    )
+                )
             else:
                 workers = build_workers(config, namespace, log=view.log)
             tracker.set_tags({"ppoflow.worker_pids": ",".join(str(r["pid"]) for r in workers.health(timeout))})
@@ -222,15 +295,29 @@ def run_training(config: DictConfig, tags: dict[str, str] | None = None) -> dict
                 started = time.perf_counter()
                 view.step_started(step)
                 try:
-                    batch, metrics = run_ppo_step(config, stage_workers, train_data, progress.sampler, reward_manager,
-                                                  progress.kl_controller, step, run_stage)
+                    batch, metrics = run_ppo_step(
+                        config,
+                        stage_workers,
+                        train_data,
+                        progress.sampler,
+                        reward_manager,
+                        progress.kl_controller,
+                        step,
+                        run_stage,
+                    )
                     if every(step, config.trainer.test_freq, total):
                         val_metrics = run_validation(config, stage_workers, val_data, reward_manager)
                         metrics.update(val_metrics)
                     seconds = time.perf_counter() - started
                     tokens = float(batch.tensors[ATTENTION_MASK].sum())
-                    metrics.update({"perf/time_per_step": seconds, "perf/total_num_tokens": tokens,
-                                    "perf/throughput": tokens / seconds / workers.world_size, "training/epoch": float(progress.sampler.epoch)})
+                    metrics.update(
+                        {
+                            "perf/time_per_step": seconds,
+                            "perf/total_num_tokens": tokens,
+                            "perf/throughput": tokens / seconds / workers.world_size,
+                            "training/epoch": float(progress.sampler.epoch),
+                        }
+                    )
                     progress.global_step = step
                     if tracker.log_step(step, metrics) and every(step, config.trainer.log_samples_freq, total):
                         tracker.log_samples(step, samples_table(batch, tokenizer, config.trainer.num_logged_samples))
@@ -238,13 +325,21 @@ def run_training(config: DictConfig, tags: dict[str, str] | None = None) -> dict
                         save_checkpoint(workers, checkpoints, progress, tracker, timeout)
                     view.log(console_line(step, total, metrics, seconds))
                     latest_val = validation_summary(val_metrics)
-                    view.progress(step, total, f"score {metrics.get('critic/score/mean', 0):.3f}" + (f" | val {latest_val}" if latest_val else ""),
-                                  force=step == total or step == 1)
+                    view.progress(
+                        step,
+                        total,
+                        f"score {metrics.get('critic/score/mean', 0):.3f}"
+                        + (f" | val {latest_val}" if latest_val else ""),
+                        force=step == total or step == 1,
+                    )
                 except (WorkerDiedError, WorkerTimeoutError) as error:  # the group is unusable: rebuild it
                     if restarts >= config.trainer.max_worker_restarts:
                         raise
                     restarts += 1
-                    view.log(f"{error} -> rebuilding the worker group (restart {restarts}/{config.trainer.max_worker_restarts})")
+                    view.log(
+                        f"{error} -> rebuilding the worker group (restart "
+                        f"{restarts}/{config.trainer.max_worker_restarts})"
+                    )
                     tracker.set_tags({"ppoflow.worker_restarts": restarts})
                     workers.kill()
                     workers = build_workers(config, namespace, log=view.log)
@@ -269,8 +364,13 @@ def run_training(config: DictConfig, tags: dict[str, str] | None = None) -> dict
             raise
         workers.kill()
         view.close()
-        return {"tracking_uri": tracking_uri(config), "run_id": tracker.run_id, "step": progress.global_step,
-                "checkpoint_dir": str(final_dir.resolve()), "val_metrics": val_metrics}
+        return {
+            "tracking_uri": tracking_uri(config),
+            "run_id": tracker.run_id,
+            "step": progress.global_step,
+            "checkpoint_dir": str(final_dir.resolve()),
+            "val_metrics": val_metrics,
+        }
 
 
 def keeps_workers_on_failure(config: DictConfig, error: BaseException | None) -> bool:
@@ -296,11 +396,20 @@ def report_killed_controller(holder: dict[str, Any], run_id: str, folder: Path, 
     is marked KILLED, unless it is ``run_id``, the run this controller continues."""
     killed_run = holder.get("mlflow_run_id")
     if killed_run == run_id:
-        log(f"the previous controller of MLflow run {run_id} (pid {holder.get('pid')}, started {holder.get('started')}) was killed; continuing the run")
-    elif killed_run and mark_killed(holder.get("tracking_uri") or "", killed_run,
-                                    f"its controller (pid {holder.get('pid')}, started {holder.get('started')}) was killed; "
-                                    f"found by the next run in {folder}"):
-        log(f"MLflow run {killed_run} in {folder} was left RUNNING by a killed controller (pid {holder.get('pid')}): marked KILLED")
+        log(
+            f"the previous controller of MLflow run {run_id} (pid {holder.get('pid')}, started "
+            f"{holder.get('started')}) was killed; continuing the run"
+        )
+    elif killed_run and mark_killed(
+        holder.get("tracking_uri") or "",
+        killed_run,
+        f"its controller (pid {holder.get('pid')}, started {holder.get('started')}) was killed; found by the next run "
+        f"in {folder}",
+    ):
+        log(
+            f"MLflow run {killed_run} in {folder} was left RUNNING by a killed controller (pid {holder.get('pid')}): "
+            "marked KILLED"
+        )
 
 
 def training_overrides(settings: TrainSettings | None, overrides: list[str] | None) -> list[str]:
@@ -310,15 +419,25 @@ def training_overrides(settings: TrainSettings | None, overrides: list[str] | No
 
 
 @flow(name="ppoflow-train")
-def train(settings: TrainSettings = TrainSettings(), overrides: list[str] | None = None, tags: dict[str, str] | None = None) -> Any:
-    """Train with the form's ``settings`` and the Hydra ``overrides`` after them (e.g. ``["algorithm.adv_estimator=gae"]``;
+def train(
+    settings: TrainSettings = TrainSettings(),  # noqa: B008 (a Prefect parameter default)
+    overrides: list[str] | None = None,
+    tags: dict[str, str] | None = None,
+) -> Any:
+    """Train with the form's ``settings`` and the Hydra ``overrides`` after them (e.g.
+    ``["algorithm.adv_estimator=gae"]``;
     ``ppoflow config`` lists every key); ``tags`` go on the MLflow run. Returns the run summary.
 
     A failed run's state message is the cause in one line (the full traceback is in the flow run's logs)."""
-    config = compose_config(training_overrides(settings, overrides))  # a wrong key or type fails here, before any worker starts
+    config = compose_config(
+        training_overrides(settings, overrides)
+    )  # a wrong key or type fails here, before any worker starts
     view = PrefectRunView()
-    view.log(f"ppoflow: {config.algorithm.adv_estimator} on {config.actor_rollout_ref.model.path or 'the embedded tiny model'}, "
-             f"{config.trainer.total_training_steps or 'all'} steps (at most {config.trainer.total_epochs} epochs)")
+    view.log(
+        f"ppoflow: {config.algorithm.adv_estimator} on "
+        f"{config.actor_rollout_ref.model.path or 'the embedded tiny model'}, "
+        f"{config.trainer.total_training_steps or 'all'} steps (at most {config.trainer.total_epochs} epochs)"
+    )
     try:
         return run_training(config, tags)
     except Exception as error:

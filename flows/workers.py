@@ -55,15 +55,26 @@ def resource_pool(config: DictConfig) -> ResourcePool:
     cpus = trainer.cpus_per_worker
     if cpus is None:
         cpus = max(1, int(smallest_node_cpus() // trainer.n_gpus_per_node))
-    return ResourcePool("global_pool", [trainer.n_gpus_per_node] * trainer.nnodes,
-                        accelerator="GPU" if worker_device(config) == "cuda" else None, cpus_per_worker=cpus)
+    return ResourcePool(
+        "global_pool",
+        [trainer.n_gpus_per_node] * trainer.nnodes,
+        accelerator="GPU" if worker_device(config) == "cuda" else None,
+        cpus_per_worker=cpus,
+    )
 
 
-def build_workers(config: DictConfig, namespace: str, evaluation: bool = False, log: Callable[[str], None] = print) -> WorkerGroup:
+def build_workers(
+    config: DictConfig, namespace: str, evaluation: bool = False, log: Callable[[str], None] = print
+) -> WorkerGroup:
     """A fresh worker group with every model loaded (critic -> ref + actor -> reward model); what loading changed or
     could not use (dropout turned off, a generation config ignored, an attention fallback) goes to ``log``."""
-    group = WorkerGroup.create(resource_pool(config), role_specs(config, evaluation), prefix=PREFIX, namespace=namespace,
-                               timeout_s=config.trainer.worker_timeout_s)
+    group = WorkerGroup.create(
+        resource_pool(config),
+        role_specs(config, evaluation),
+        prefix=PREFIX,
+        namespace=namespace,
+        timeout_s=config.trainer.worker_timeout_s,
+    )
     timeout = config.trainer.worker_timeout_s
     try:
         for role in ("critic", "actor_rollout_ref", "reward_model"):
@@ -92,30 +103,39 @@ def weights_at(group: WorkerGroup, trainer_state: dict, timeout: float) -> bool:
     exactly the checkpoint's updates and begun no other (a controller that died between a checkpoint and the next
     update). Then a reattached group needs no reload."""
     expected = trainer_state.get("worker_steps")
-    return expected is not None and all(report["steps_trained"] == expected and report["updates_started"] == expected
-                                        for report in group.health(timeout))
+    return expected is not None and all(
+        report["steps_trained"] == expected and report["updates_started"] == expected
+        for report in group.health(timeout)
+    )
 
 
 def step_workers(group: WorkerGroup, timeout_s: float, reward_timeout_s: float | None = None) -> StepWorkers:
     """The group's roles as the PPO step calls them (each call waits at most ``timeout_s``; the reward model's at most
     ``reward_timeout_s`` when that is given: ``reward.timeout_s``)."""
+
     def role(name: str):
         if name not in group.roles:
             return None
         return group.role(name, reward_timeout_s if name == "reward_model" and reward_timeout_s else timeout_s)
 
-    return StepWorkers(actor=role("actor_rollout_ref"), critic=role("critic"), reward_model=role("reward_model"), world_size=group.world_size)
+    return StepWorkers(
+        actor=role("actor_rollout_ref"),
+        critic=role("critic"),
+        reward_model=role("reward_model"),
+        world_size=group.world_size,
+    )
 
 
-# ---------------------------------------------------------------------------------------------- the cluster's worker groups
+# ---------------------------------------------------------------------------------------------- the cluster's worker
+# groups
 @dataclass
 class WorkerGroupInfo:
     run_id: str
     ranks: int
-    pids: list[int]          # empty when the workers are busy (a call is running) and did not answer
+    pids: list[int]  # empty when the workers are busy (a call is running) and did not answer
     age_s: float | None
     resources: dict[str, float]
-    run_status: str = "?"    # the MLflow run's status, when a tracking store is given
+    run_status: str = "?"  # the MLflow run's status, when a tracking store is given
 
 
 def worker_groups(tracking_uri: str | None = None, timeout_s: float = 5.0) -> list[WorkerGroupInfo]:
@@ -140,8 +160,13 @@ def worker_groups(tracking_uri: str | None = None, timeout_s: float = 5.0) -> li
                 for bundle in group["bundles"].values():
                     for key, amount in bundle.items():
                         resources[key] = resources.get(key, 0.0) + amount
-        info = WorkerGroupInfo(namespace.removeprefix(NAMESPACE_PREFIX), len(names), sorted(r["pid"] for r in reports),
-                               time.time() - min(r["started_at"] for r in reports) if reports else None, resources)
+        info = WorkerGroupInfo(
+            namespace.removeprefix(NAMESPACE_PREFIX),
+            len(names),
+            sorted(r["pid"] for r in reports),
+            time.time() - min(r["started_at"] for r in reports) if reports else None,
+            resources,
+        )
         if client is not None:
             try:
                 info.run_status = client.get_run(info.run_id).info.status

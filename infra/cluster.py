@@ -63,8 +63,8 @@ def _check_reachable(address: str, timeout_s: float) -> None:
         socket.create_connection((host, int(port)), timeout=timeout_s).close()
     except OSError as error:
         raise ClusterUnreachableError(
-            f"ray address {address} did not answer within {timeout_s:.0f}s ({error}); start the cluster "
-            f"(`ray start --head`), fix trainer.ray.address / RAY_ADDRESS, or unset both to run a local cluster"
+            f"ray address {address} did not answer within {timeout_s:.0f}s ({error}); start the cluster (`ray start "
+            "--head`), fix trainer.ray.address / RAY_ADDRESS, or unset both to run a local cluster"
         ) from error
 
 
@@ -74,7 +74,9 @@ class _BackgroundConnect:
 
     def __init__(self, address: str | None, num_cpus: int | None):
         self.done = threading.Event()
-        self.thread = threading.Thread(target=self._run, args=(address, num_cpus), name="ppoflow-ray-connect", daemon=True)
+        self.thread = threading.Thread(
+            target=self._run, args=(address, num_cpus), name="ppoflow-ray-connect", daemon=True
+        )
         self.thread.start()
 
     def _run(self, address: str | None, num_cpus: int | None) -> None:
@@ -102,7 +104,9 @@ def _not_about_sigterm(record: logging.LogRecord) -> bool:
     return "SIGTERM handler is not set" not in record.getMessage()
 
 
-def connect(address: str | None = None, namespace: str | None = None, num_cpus: int | None = None, timeout_s: float = 10.0) -> str:
+def connect(
+    address: str | None = None, namespace: str | None = None, num_cpus: int | None = None, timeout_s: float = 10.0
+) -> str:
     """Join the cluster at ``address`` (else RAY_ADDRESS), or start a local one on 127.0.0.1; returns the GCS address.
     A connection begun by :func:`connect_in_background` is waited for (and made again here if it failed)."""
     global _embedded
@@ -152,7 +156,15 @@ def is_persistent() -> bool:
 def start_local_head(port: int, num_cpus: int | None = None, resources: str | None = None) -> str:
     """Start a persistent head node on 127.0.0.1 (outlives drivers, like a real cluster); returns its address."""
     ray_cli = shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
-    command = [ray_cli, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--include-dashboard=false", "--disable-usage-stats"]
+    command = [
+        ray_cli,
+        "start",
+        "--head",
+        "--node-ip-address=127.0.0.1",
+        f"--port={port}",
+        "--include-dashboard=false",
+        "--disable-usage-stats",
+    ]
     if num_cpus is not None:
         command.append(f"--num-cpus={num_cpus}")
     if resources:
@@ -164,7 +176,10 @@ def start_local_head(port: int, num_cpus: int | None = None, resources: str | No
     secure_auth_token()
     started = subprocess.run(command, capture_output=True, text=True, env=env)
     if started.returncode != 0:
-        raise RuntimeError(f"`ray start --head` on 127.0.0.1:{port} failed: {started.stderr.strip().splitlines()[-1] if started.stderr.strip() else started.returncode}")
+        raise RuntimeError(
+            f"`ray start --head` on 127.0.0.1:{port} failed: "
+            f"{started.stderr.strip().splitlines()[-1] if started.stderr.strip() else started.returncode}"
+        )
     return f"127.0.0.1:{port}"
 
 

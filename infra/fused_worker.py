@@ -20,7 +20,11 @@ RoleSpec = tuple[type, tuple, dict]
 
 
 def _public_methods(cls: type) -> dict[str, Callable]:
-    return {name: getattr(cls, name) for name in dir(cls) if not name.startswith("_") and callable(getattr(cls, name)) and dispatch_mode(getattr(cls, name))}
+    return {
+        name: getattr(cls, name)
+        for name in dir(cls)
+        if not name.startswith("_") and callable(getattr(cls, name)) and dispatch_mode(getattr(cls, name))
+    }
 
 
 def _forwarder(role: str, method_name: str, mode: str) -> Callable:
@@ -57,14 +61,20 @@ class FusedWorkerBase:
     def health(self) -> dict[str, Any]:
         """Liveness and where the weights are: rank, pid, start time, and each role's number of updates done and begun
         (they differ while an update runs, or after one failed half-way: the weights then match no checkpoint)."""
-        return {"rank": int(os.environ.get("RANK", 0)), "world_size": int(os.environ.get("WORLD_SIZE", 1)), "pid": os.getpid(),
-                "node": os.environ.get("PPOFLOW_NODE", ""), "started_at": self.started_at,
-                "steps_trained": {role: getattr(obj, "steps_trained", None) for role, obj in self.roles.items()},
-                "updates_started": {role: getattr(obj, "updates_started", None) for role, obj in self.roles.items()}}
+        return {
+            "rank": int(os.environ.get("RANK", 0)),
+            "world_size": int(os.environ.get("WORLD_SIZE", 1)),
+            "pid": os.getpid(),
+            "node": os.environ.get("PPOFLOW_NODE", ""),
+            "started_at": self.started_at,
+            "steps_trained": {role: getattr(obj, "steps_trained", None) for role, obj in self.roles.items()},
+            "updates_started": {role: getattr(obj, "updates_started", None) for role, obj in self.roles.items()},
+        }
 
 
 def fused_worker_class(role_specs: dict[str, RoleSpec]) -> type:
-    """A subclass of :class:`FusedWorkerBase` with ``<role>_<method>`` for every dispatch-declared method of each role."""
+    """A subclass of :class:`FusedWorkerBase` with ``<role>_<method>`` for every dispatch-declared method of each
+    role."""
     methods: dict[str, Any] = {}
     for role, (cls, _, _) in role_specs.items():
         for name, method in _public_methods(cls).items():

@@ -45,21 +45,28 @@ class ResourcePool:
             wanted = ", ".join(f"{n * per_worker:g} {unit}" for n in needs)
             have = ", ".join(f"{c:g}" for c in capacities) or "none"
             raise InsufficientResourcesError(
-                f"resource pool {self.name!r} needs {len(needs)} node(s) with {wanted}; the cluster's nodes have {unit}: {have}. "
-                f"Lower trainer.n_gpus_per_node / trainer.nnodes or add nodes")
+                f"resource pool {self.name!r} needs {len(needs)} node(s) with {wanted}; the cluster's nodes have "
+                f"{unit}: {have}. Lower trainer.n_gpus_per_node / trainer.nnodes or add nodes"
+            )
 
     def create(self, namespace_prefix: str, timeout_s: float = 60.0, detached: bool = True) -> None:
         """Reserve the bundles (one placement group per node, STRICT_PACK); waits up to ``timeout_s``."""
         self.check_fits()
         for node_index, count in enumerate(self.process_on_nodes):
-            group = placement_group([self.bundle()] * count, strategy="STRICT_PACK", name=f"{namespace_prefix}-{self.name}-node{node_index}",
-                                    lifetime="detached" if detached else None)
+            group = placement_group(
+                [self.bundle()] * count,
+                strategy="STRICT_PACK",
+                name=f"{namespace_prefix}-{self.name}-node{node_index}",
+                lifetime="detached" if detached else None,
+            )
             ready, _ = ray.wait([group.ready()], timeout=timeout_s)
             if not ready:
                 remove_placement_group(group)
                 self.remove()
-                raise InsufficientResourcesError(f"resource pool {self.name!r}: node {node_index}'s {count} bundles {self.bundle()} were not "
-                                                 f"placed within {timeout_s:.0f}s (are other runs holding the resources?)")
+                raise InsufficientResourcesError(
+                    f"resource pool {self.name!r}: node {node_index}'s {count} bundles {self.bundle()} were not placed "
+                    f"within {timeout_s:.0f}s (are other runs holding the resources?)"
+                )
             self.placement_groups.append(group)
 
     def slots(self) -> list[tuple[PlacementGroup, int, int]]:

@@ -52,7 +52,7 @@ def state_file() -> Path:
 @dataclass
 class Service:
     name: str
-    pid: int        # the leader of the service's own process group
+    pid: int  # the leader of the service's own process group
     port: int
     url: str
     log: str
@@ -69,8 +69,11 @@ class Service:
     def _left_behind(self) -> list[int]:
         if self.started is None:
             return []
-        return [pid for pid, (state, _, group, started) in all_stats().items()
-                if group == self.pid and pid != self.pid and state != "Z" and started >= self.started]
+        return [
+            pid
+            for pid, (state, _, group, started) in all_stats().items()
+            if group == self.pid and pid != self.pid and state != "Z" and started >= self.started
+        ]
 
     def alive(self) -> bool:
         return bool(self.members())
@@ -92,8 +95,11 @@ class Stack:
 
     def env(self) -> dict[str, str]:
         """What a shell (or ``ppoflow train``) needs to use the stack."""
-        return {"PREFECT_API_URL": self.services["prefect"].url, "MLFLOW_TRACKING_URI": self.services["mlflow"].url,
-                "RAY_ADDRESS": f"{HOST}:{self.services['ray'].port}"}
+        return {
+            "PREFECT_API_URL": self.services["prefect"].url,
+            "MLFLOW_TRACKING_URI": self.services["mlflow"].url,
+            "RAY_ADDRESS": f"{HOST}:{self.services['ray'].port}",
+        }
 
     def save(self) -> None:
         path = state_file()
@@ -131,7 +137,8 @@ LOWEST_PRIORITY = 19
 PREFECT_RETENTION = {
     "PREFECT_SERVER_SERVICES_DB_VACUUM_EVENT_RETENTION_OVERRIDES": json.dumps(
         {f"prefect.task-run.{state}": 3600 for state in ("Pending", "Running", "Completed", "Failed", "Crashed")}
-        | {"prefect.flow-run.heartbeat": 86400}),
+        | {"prefect.flow-run.heartbeat": 86400}
+    ),
     "PREFECT_SERVER_SERVICES_DB_VACUUM_LOOP_SECONDS": "600",
 }
 
@@ -144,27 +151,56 @@ def service_command(name: str, port: int, data: Path) -> tuple[list[str], dict[s
     """(command, extra environment, URL) of one service, its data under ``data``."""
     if name == "prefect":
         url = f"http://{HOST}:{port}/api"
-        env = {"PREFECT_HOME": str(data / "prefect"), "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{data / 'prefect' / 'prefect.db'}",
-               "PREFECT_UI_API_URL": url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_API_URL": url,
-               **{key: os.environ.get(key, value) for key, value in PREFECT_RETENTION.items()}}
+        env = {
+            "PREFECT_HOME": str(data / "prefect"),
+            "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{data / 'prefect' / 'prefect.db'}",
+            "PREFECT_UI_API_URL": url,
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "PREFECT_API_URL": url,
+            **{key: os.environ.get(key, value) for key, value in PREFECT_RETENTION.items()},
+        }
         return [_tool("prefect"), "server", "start", "--host", HOST, "--port", str(port)], env, url
     if name == "mlflow":
-        command = [_tool("mlflow"), "server", "--host", HOST, "--port", str(port), "--workers", "1",
-                   "--backend-store-uri", f"sqlite:///{data / 'mlflow.db'}", "--artifacts-destination", str(data / "mlartifacts")]
+        command = [
+            _tool("mlflow"),
+            "server",
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            f"sqlite:///{data / 'mlflow.db'}",
+            "--artifacts-destination",
+            str(data / "mlartifacts"),
+        ]
         return command, {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}, f"http://{HOST}:{port}"
     if name == "ray":
-        command = [_tool("ray"), "start", "--head", "--block", f"--node-ip-address={HOST}", f"--port={port}",
-                   "--include-dashboard=false", "--disable-usage-stats"]
+        command = [
+            _tool("ray"),
+            "start",
+            "--head",
+            "--block",
+            f"--node-ip-address={HOST}",
+            f"--port={port}",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+        ]
         return command, {**LOOPBACK_ENV, **LOCAL_CLUSTER_ENV, **INLINE_OBJECTS_ENV}, f"ray://{HOST}:{port}"
     raise KeyError(name)
 
 
 def check_port(name: str, port: int) -> None:
     if port in RAY_RESERVED_PORTS:
-        raise RuntimeError(f"port {port} for {name} is in the range Ray keeps for its client and workers ({RAY_RESERVED_PORTS.start}-"
-                           f"{RAY_RESERVED_PORTS.stop - 1}): give ppoflow up --{name}-port another port")
+        raise RuntimeError(
+            f"port {port} for {name} is in the range Ray keeps for its client and workers "
+            f"({RAY_RESERVED_PORTS.start}-{RAY_RESERVED_PORTS.stop - 1}): give ppoflow up --{name}-port another port"
+        )
     if port_open(port):
-        raise RuntimeError(f"port {port} on {HOST} is taken by another program: stop it, or give ppoflow up --{name}-port another port")
+        raise RuntimeError(
+            f"port {port} on {HOST} is taken by another program: stop it, or give ppoflow up --{name}-port another port"
+        )
 
 
 SERVICE_PROCESSES: dict[int, subprocess.Popen] = {}  # the services this process started
@@ -177,9 +213,16 @@ def start_service(name: str, port: int, data: Path) -> Service:
     logs.mkdir(parents=True, exist_ok=True)
     log = logs / f"{name}.log"
     with open(log, "ab") as output:
-        process = subprocess.Popen(command, env={**os.environ, **env}, stdout=output, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL, start_new_session=True, cwd=data,
-                                   preexec_fn=(lambda: os.nice(LOWEST_PRIORITY)) if name == "prefect" else None)
+        process = subprocess.Popen(
+            command,
+            env={**os.environ, **env},
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd=data,
+            preexec_fn=(lambda: os.nice(LOWEST_PRIORITY)) if name == "prefect" else None,
+        )
     SERVICE_PROCESSES[process.pid] = process  # polled while it starts: an exit is reaped, not left a zombie
     return Service(name, process.pid, port, url, str(log), started=stat(process.pid)[3])
 
@@ -201,18 +244,31 @@ def wait_until_answering(services: list[Service], timeout_s: float = START_TIMEO
         while not service.answers():
             process = SERVICE_PROCESSES.get(service.pid)
             if (process is not None and process.poll() is not None) or not service.alive():
-                code = f" (exit code {process.returncode})" if process is not None and process.returncode is not None else ""
-                raise RuntimeError(f"{service.name} exited while starting{code}: {last_error_line(service.log)} (its log: {service.log})")
+                code = (
+                    f" (exit code {process.returncode})"
+                    if process is not None and process.returncode is not None
+                    else ""
+                )
+                raise RuntimeError(
+                    f"{service.name} exited while starting{code}: {last_error_line(service.log)} (its log: "
+                    f"{service.log})"
+                )
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{service.name} did not answer on port {service.port} within {timeout_s:.0f}s: "
-                                   f"{last_error_line(service.log)} (its log: {service.log})")
+                raise TimeoutError(
+                    f"{service.name} did not answer on port {service.port} within {timeout_s:.0f}s: "
+                    f"{last_error_line(service.log)} (its log: {service.log})"
+                )
             time.sleep(0.5)
 
 
 def last_error_line(path: str) -> str:
     """The last line of a log that reads like an error (else its last line): what a service died of."""
     lines = [line.strip() for line in Path(path).read_text(errors="replace").splitlines() if line.strip()]
-    errors = [line for line in lines if any(word in line for word in ("Error", "error", "ERROR", "Exception", "failed", "Failed"))]
+    errors = [
+        line
+        for line in lines
+        if any(word in line for word in ("Error", "error", "ERROR", "Exception", "failed", "Failed"))
+    ]
     return (errors or lines or ["(its log is empty)"])[-1][:500]
 
 

@@ -36,7 +36,11 @@ def stat(pid: int) -> tuple[str, int, int, int] | None:
 
 def all_stats() -> dict[int, tuple[str, int, int, int]]:
     """pid -> :func:`stat` of every process."""
-    return {int(entry.name): found for entry in os.scandir("/proc") if entry.name.isdigit() and (found := stat(int(entry.name)))}
+    return {
+        int(entry.name): found
+        for entry in os.scandir("/proc")
+        if entry.name.isdigit() and (found := stat(int(entry.name)))
+    }
 
 
 def processes() -> dict[int, tuple[int, int]]:
@@ -94,9 +98,14 @@ def start(pid: int | None = None) -> subprocess.Popen | None:
     """Watch ``pid`` (default: this process) from a process of its own; None where there is no /proc."""
     if not Path("/proc/self/stat").exists():
         return None
-    return subprocess.Popen([sys.executable, "-m", "infra.watchdog", str(pid or os.getpid())], start_new_session=True,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            cwd=Path(__file__).resolve().parent.parent)
+    return subprocess.Popen(
+        [sys.executable, "-m", "infra.watchdog", str(pid or os.getpid())],
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
 
 
 if __name__ == "__main__":

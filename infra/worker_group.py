@@ -57,7 +57,9 @@ def placement_group_prefix(namespace: str, prefix: str) -> str:
 
 
 class WorkerGroup:
-    def __init__(self, actors: list[Any], names: list[str], role_specs: dict[str, RoleSpec], namespace: str, prefix: str):
+    def __init__(
+        self, actors: list[Any], names: list[str], role_specs: dict[str, RoleSpec], namespace: str, prefix: str
+    ):
         self.actors, self.names, self.namespace, self.prefix = actors, names, namespace, prefix
         self.fused_class = fused_worker_class(role_specs)
         self.roles = list(role_specs)
@@ -68,8 +70,15 @@ class WorkerGroup:
 
     # ------------------------------------------------------------------ creation and reattachment
     @classmethod
-    def create(cls, pool: ResourcePool, role_specs: dict[str, RoleSpec], prefix: str, namespace: str, timeout_s: float = 120.0,
-               env_vars: dict[str, str] | None = None) -> WorkerGroup:
+    def create(
+        cls,
+        pool: ResourcePool,
+        role_specs: dict[str, RoleSpec],
+        prefix: str,
+        namespace: str,
+        timeout_s: float = 120.0,
+        env_vars: dict[str, str] | None = None,
+    ) -> WorkerGroup:
         """Start one fused worker per bundle of ``pool`` and join them in a process group. The pool's placement
         groups are created here, named after ``prefix`` (so that :meth:`kill` finds them after a reattach)."""
         if not pool.placement_groups:
@@ -82,9 +91,15 @@ class WorkerGroup:
                 name = f"{prefix}-rank{rank}"
                 env = {**(env_vars or {}), "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local_rank)}
                 options: dict[str, Any] = {
-                    "name": name, "namespace": namespace, "lifetime": "detached", "max_restarts": 0,
-                    "num_cpus": pool.cpus_per_worker * share, "runtime_env": {"env_vars": env},
-                    "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=bundle_index),
+                    "name": name,
+                    "namespace": namespace,
+                    "lifetime": "detached",
+                    "max_restarts": 0,
+                    "num_cpus": pool.cpus_per_worker * share,
+                    "runtime_env": {"env_vars": env},
+                    "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                        placement_group=group, placement_group_bundle_index=bundle_index
+                    ),
                 }
                 if pool.accelerator == "GPU":
                     options["num_gpus"] = share
@@ -94,9 +109,16 @@ class WorkerGroup:
                 names.append(name)
             group = cls(actors, names, role_specs, namespace, prefix)
             if world > 1:
-                master_addr, master_port = group._wait([actors[0].master_address.remote()], "set-up", timeout_s, names[:1])[0]
+                master_addr, master_port = group._wait(
+                    [actors[0].master_address.remote()], "set-up", timeout_s, names[:1]
+                )[0]
                 backend = "nccl" if pool.accelerator == "GPU" else "gloo"
-                group._wait([a.setup_distributed.remote(master_addr, master_port, backend) for a in actors], "set-up", timeout_s, names)
+                group._wait(
+                    [a.setup_distributed.remote(master_addr, master_port, backend) for a in actors],
+                    "set-up",
+                    timeout_s,
+                    names,
+                )
             else:
                 group.health(timeout_s)
         except BaseException:  # a half-made group holds resources: free them before reporting
@@ -105,7 +127,9 @@ class WorkerGroup:
         return group
 
     @classmethod
-    def reattach(cls, prefix: str, namespace: str, role_specs: dict[str, RoleSpec], timeout_s: float = 30.0) -> WorkerGroup:
+    def reattach(
+        cls, prefix: str, namespace: str, role_specs: dict[str, RoleSpec], timeout_s: float = 30.0
+    ) -> WorkerGroup:
         """The live group named ``prefix`` in ``namespace`` (raises ValueError when rank 0 does not exist)."""
         try:
             first = ray.get_actor(f"{prefix}-rank0", namespace=namespace)
@@ -125,7 +149,9 @@ class WorkerGroup:
             raise KeyError(f"this worker group has roles {self.roles}, not {role!r}")
         return RoleView(self, role, timeout_s)
 
-    def execute(self, method: str, *args: Any, timeout_s: float = 600.0, stage: str | None = None, **kwargs: Any) -> Any:
+    def execute(
+        self, method: str, *args: Any, timeout_s: float = 600.0, stage: str | None = None, **kwargs: Any
+    ) -> Any:
         """Call ``method`` (a role-prefixed name) on the ranks according to its dispatch mode."""
         mode = dispatch_mode(getattr(self.fused_class, method))
         per_rank, pad_size = split_arguments(mode, self.world_size, args, kwargs)
@@ -146,14 +172,20 @@ class WorkerGroup:
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
                 late = [names[index_of[ref]] for ref in pending]
-                raise WorkerTimeoutError(f"stage {stage!r}: workers {late} did not answer within {timeout_s:.0f}s; "
-                                         f"raise trainer.worker_timeout_s if the stage is just slow")
+                raise WorkerTimeoutError(
+                    f"stage {stage!r}: workers {late} did not answer within {timeout_s:.0f}s; raise "
+                    "trainer.worker_timeout_s if the stage is just slow"
+                )
             ref = ready[0]
             try:
                 results[index_of[ref]] = ray.get(ref)
             except RayActorError as error:
                 name = names[index_of[ref]]
-                raise WorkerDiedError(f"stage {stage!r}: worker {name} died ({type(error).__name__}); the group must be rebuilt from the last checkpoint", name) from error
+                raise WorkerDiedError(
+                    f"stage {stage!r}: worker {name} died ({type(error).__name__}); the group must be rebuilt from "
+                    "the last checkpoint",
+                    name,
+                ) from error
             except RayTaskError as error:
                 raise worker_exception(error, stage, names[index_of[ref]]) from error
         return results
@@ -195,6 +227,8 @@ class RoleView:
             raise AttributeError(f"role {self._role!r} has no dispatched method {method!r}")
 
         def call(*args: Any, timeout_s: float | None = None, stage: str | None = None, **kwargs: Any) -> Any:
-            return self._group.execute(full_name, *args, timeout_s=timeout_s or self._timeout_s, stage=stage or method, **kwargs)
+            return self._group.execute(
+                full_name, *args, timeout_s=timeout_s or self._timeout_s, stage=stage or method, **kwargs
+            )
 
         return call

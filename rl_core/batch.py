@@ -56,7 +56,9 @@ class Batch:
         sizes = self._sizes()
         if len(set(sizes.values())) > 1:
             listing = ", ".join(f"{name}: {size}" for name, size in sizes.items())
-            raise ValueError(f"Batch fields disagree on the batch size ({listing}); every field needs the same first dimension")
+            raise ValueError(
+                f"Batch fields disagree on the batch size ({listing}); every field needs the same first dimension"
+            )
 
     def __len__(self) -> int:
         sizes = self._sizes()
@@ -67,7 +69,10 @@ class Batch:
 
     def __repr__(self) -> str:
         tensors = {k: tuple(v.shape) for k, v in self.tensors.items()}
-        return f"Batch(size={len(self)}, tensors={tensors}, non_tensors={list(self.non_tensors)}, meta_info={list(self.meta_info)})"
+        return (
+            f"Batch(size={len(self)}, tensors={tensors}, non_tensors={list(self.non_tensors)}, "
+            f"meta_info={list(self.meta_info)})"
+        )
 
     def __getitem__(self, index: IndexLike) -> Batch:
         """Rows picked by an int, a slice, a list/array of ints or a boolean mask. An int keeps the batch dimension."""
@@ -81,20 +86,37 @@ class Batch:
                 as_tensor = as_tensor.nonzero().flatten()
             tensor_index, array_index = as_tensor.long(), as_tensor.long().cpu().numpy()
         return Batch(
-            {k: v[tensor_index.to(v.device) if isinstance(tensor_index, torch.Tensor) else tensor_index] for k, v in self.tensors.items()},
+            {
+                k: v[tensor_index.to(v.device) if isinstance(tensor_index, torch.Tensor) else tensor_index]
+                for k, v in self.tensors.items()
+            },
             {k: v[array_index] for k, v in self.non_tensors.items()},
             copy.copy(self.meta_info),
         )
 
     # ------------------------------------------------------------------ field access
-    def select(self, tensor_keys: Iterable[str] = (), non_tensor_keys: Iterable[str] = (), meta_keys: Iterable[str] | None = None) -> Batch:
+    def select(
+        self,
+        tensor_keys: Iterable[str] = (),
+        non_tensor_keys: Iterable[str] = (),
+        meta_keys: Iterable[str] | None = None,
+    ) -> Batch:
         """A batch with only the named fields (the tensors are shared, not copied)."""
         tensor_keys, non_tensor_keys = list(tensor_keys), list(non_tensor_keys)
-        missing = [k for k in tensor_keys if k not in self.tensors] + [k for k in non_tensor_keys if k not in self.non_tensors]
+        missing = [k for k in tensor_keys if k not in self.tensors] + [
+            k for k in non_tensor_keys if k not in self.non_tensors
+        ]
         if missing:
-            raise KeyError(f"Batch has no field(s) {missing}; it has tensors {sorted(self.tensors)} and non_tensors {sorted(self.non_tensors)}")
+            raise KeyError(
+                f"Batch has no field(s) {missing}; it has tensors {sorted(self.tensors)} and non_tensors "
+                f"{sorted(self.non_tensors)}"
+            )
         meta = self.meta_info if meta_keys is None else {k: self.meta_info[k] for k in meta_keys}
-        return Batch({k: self.tensors[k] for k in tensor_keys}, {k: self.non_tensors[k] for k in non_tensor_keys}, copy.copy(meta))
+        return Batch(
+            {k: self.tensors[k] for k in tensor_keys},
+            {k: self.non_tensors[k] for k in non_tensor_keys},
+            copy.copy(meta),
+        )
 
     def pop(self, tensor_keys: Iterable[str] = (), non_tensor_keys: Iterable[str] = ()) -> Batch:
         """Remove the named fields from this batch and return them as a new batch."""
@@ -108,15 +130,17 @@ class Batch:
     # ------------------------------------------------------------------ combining
     @staticmethod
     def concat(batches: Sequence[Batch]) -> Batch:
-        """Stack batches along the batch dimension; they must have the same fields. meta_info is taken from the first."""
+        """Stack batches along the batch dimension; they must have the same fields. meta_info is taken from the
+        first."""
         if not batches:
             raise ValueError("Batch.concat needs at least one batch")
         first = batches[0]
         for i, other in enumerate(batches[1:], start=1):
             if set(other.tensors) != set(first.tensors) or set(other.non_tensors) != set(first.non_tensors):
                 raise ValueError(
-                    f"Batch.concat: batch {i} has fields tensors={sorted(other.tensors)} non_tensors={sorted(other.non_tensors)}, "
-                    f"batch 0 has tensors={sorted(first.tensors)} non_tensors={sorted(first.non_tensors)}"
+                    f"Batch.concat: batch {i} has fields tensors={sorted(other.tensors)} "
+                    f"non_tensors={sorted(other.non_tensors)}, batch 0 has tensors={sorted(first.tensors)} "
+                    f"non_tensors={sorted(first.non_tensors)}"
                 )
         tensors = {k: torch.cat([b.tensors[k] for b in batches], dim=0) for k in first.tensors}
         non_tensors = {k: np.concatenate([b.non_tensors[k] for b in batches], axis=0) for k in first.non_tensors}
@@ -127,7 +151,9 @@ class Batch:
         if len(self) and len(other) and len(self) != len(other):
             raise ValueError(f"Batch.union: sizes differ ({len(self)} vs {len(other)})")
         for k, v in other.tensors.items():
-            if k in self.tensors and not (self.tensors[k].shape == v.shape and torch.equal(self.tensors[k], v.to(self.tensors[k].device))):
+            if k in self.tensors and not (
+                self.tensors[k].shape == v.shape and torch.equal(self.tensors[k], v.to(self.tensors[k].device))
+            ):
                 raise ValueError(f"Batch.union: tensor {k!r} is in both batches with different values")
             self.tensors[k] = v
         for k, v in other.non_tensors.items():
@@ -136,7 +162,10 @@ class Batch:
             self.non_tensors[k] = v
         for k, v in other.meta_info.items():
             if k in self.meta_info and not _values_equal(self.meta_info[k], v):
-                raise ValueError(f"Batch.union: meta_info {k!r} is in both batches with different values ({self.meta_info[k]!r} vs {v!r})")
+                raise ValueError(
+                    f"Batch.union: meta_info {k!r} is in both batches with different values ({self.meta_info[k]!r} vs "
+                    f"{v!r})"
+                )
             self.meta_info[k] = v
         return self
 
@@ -146,7 +175,9 @@ class Batch:
         if chunks <= 0:
             raise ValueError(f"Batch.chunk: chunks must be positive, got {chunks}")
         if len(self) % chunks:
-            raise ValueError(f"Batch.chunk: batch size {len(self)} is not divisible by {chunks}; pad_to_multiple({chunks}) first")
+            raise ValueError(
+                f"Batch.chunk: batch size {len(self)} is not divisible by {chunks}; pad_to_multiple({chunks}) first"
+            )
         size = len(self) // chunks
         return [self[i * size : (i + 1) * size] for i in range(chunks)]
 
@@ -169,7 +200,7 @@ class Batch:
         repeats = [self[: min(pad_size - done, len(self))] for done in range(0, pad_size, len(self))]
         padded = Batch.concat([self, *repeats])
         if "response_mask" in padded.tensors:
-            padded.tensors["response_mask"][len(self):] = 0  # concat made a new tensor: the original is untouched
+            padded.tensors["response_mask"][len(self) :] = 0  # concat made a new tensor: the original is untouched
         return padded, pad_size
 
     def unpad(self, pad_size: int) -> Batch:
@@ -183,7 +214,8 @@ class Batch:
 
     # ------------------------------------------------------------------ devices
     def to(self, device: str | torch.device) -> Batch:
-        """A Batch with every tensor on ``device`` (the same per-sample objects and meta info; this one is unchanged)."""
+        """A Batch with every tensor on ``device`` (the same per-sample objects and meta info; this one is
+        unchanged)."""
         return Batch({k: v.to(device) for k, v in self.tensors.items()}, self.non_tensors, self.meta_info)
 
 
@@ -193,7 +225,12 @@ def _object_arrays_equal(a: np.ndarray, b: np.ndarray) -> bool:
 
 def _values_equal(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and bool(torch.equal(a, b))
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.shape == b.shape
+            and bool(torch.equal(a, b))
+        )
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return bool(np.array_equal(np.asarray(a, dtype=object), np.asarray(b, dtype=object)))
     return a == b

@@ -17,7 +17,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 TREE_KEY = "ppoflow_tree"
-TRAINING_STATE_FILE = "state.safetensors"  # a worker's optimizer, LR scheduler, counters: a resume needs it, a model does not
+TRAINING_STATE_FILE = (
+    "state.safetensors"  # a worker's optimizer, LR scheduler, counters: a resume needs it, a model does not
+)
 
 
 def _encode(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
@@ -90,7 +92,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_model_weights(model: torch.nn.Module, tokenizer: Any, folder: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+def save_model_weights(
+    model: torch.nn.Module, tokenizer: Any, folder: str | Path, state_dict: dict[str, torch.Tensor] | None = None
+) -> None:
     """``save_pretrained`` in safetensors: a loadable HF checkpoint, or the LoRA adapter for a peft model.
 
     ``state_dict`` gives the full weights when the module is sharded (call on rank 0 only).
@@ -98,6 +102,8 @@ def save_model_weights(model: torch.nn.Module, tokenizer: Any, folder: str | Pat
     if state_dict is not None and getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         # the same layout as an unsharded save: a tied output layer is not stored twice
         state_dict = {k: v for k, v in state_dict.items() if not k.endswith("lm_head.weight")}
-    model.save_pretrained(folder, safe_serialization=True, **({"state_dict": state_dict} if state_dict is not None else {}))
+    model.save_pretrained(
+        folder, safe_serialization=True, **({"state_dict": state_dict} if state_dict is not None else {})
+    )
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)

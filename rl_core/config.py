@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from rl_core.device import COMPUTE_DTYPES, DEVICES
 
@@ -38,21 +38,21 @@ class SyntheticDataConfig:
 
 @dataclass
 class DataConfig:
-    train_files: Any = None           # a parquet/jsonl path or a list of them (verl's format); null = the synthetic demo task
+    train_files: Any = None  # a parquet/jsonl path or a list of them (verl's format); null = the synthetic demo task
     val_files: Any = None
     prompt_key: str = "prompt"
     reward_fn_key: str = "data_source"
     max_prompt_length: int = 512
     max_response_length: int = 512
-    train_batch_size: int = 1024      # prompts per step (each gets actor_rollout_ref.rollout.n responses)
-    val_batch_size: Optional[int] = None  # null = the whole validation set at once
-    train_max_samples: int = -1       # -1 = all rows
+    train_batch_size: int = 1024  # prompts per step (each gets actor_rollout_ref.rollout.n responses)
+    val_batch_size: int | None = None  # null = the whole validation set at once
+    train_max_samples: int = -1  # -1 = all rows
     val_max_samples: int = -1
     shuffle: bool = True
-    seed: int = 1                     # the sampler's shuffling seed (verl: null = unseeded; here runs repeat and resume exactly)
+    seed: int = 1  # the sampler's shuffling seed (verl: null = unseeded; here runs repeat and resume exactly)
     filter_overlong_prompts: bool = False
-    truncation: str = "error"         # error | left | right: a prompt longer than max_prompt_length (when not filtered)
-    use_chat_template: bool = True    # false (or a tokenizer without a template): prompts are tokenized as raw text
+    truncation: str = "error"  # error | left | right: a prompt longer than max_prompt_length (when not filtered)
+    use_chat_template: bool = True  # false (or a tokenizer without a template): prompts are tokenized as raw text
     synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
 
 
@@ -61,34 +61,35 @@ class DataConfig:
 class OptimConfig:
     """AdamW and the LR schedule (see rl_core.models.optim)."""
 
-    lr: float = 1.0e-6                # the actor's; the critic's default is 1e-5 (CriticConfig.optim)
+    lr: float = 1.0e-6  # the actor's; the critic's default is 1e-5 (CriticConfig.optim)
     weight_decay: float = 0.01
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     lr_warmup_steps_ratio: float = 0.0
-    lr_warmup_steps: int = -1         # >= 0 wins over the ratio
+    lr_warmup_steps: int = -1  # >= 0 wins over the ratio
     lr_scheduler_type: str = "constant"  # constant | cosine
     min_lr_ratio: float = 0.0
     num_cycles: float = 0.5
-    total_training_steps: int = -1    # set by the trainer from its resolved step count
+    total_training_steps: int = -1  # set by the trainer from its resolved step count
 
 
 @dataclass
 class ModelConfig:
-    path: Optional[str] = None        # a local HF checkpoint folder; null = the embedded tiny demo model
-    tokenizer_path: Optional[str] = None  # null = path
+    path: str | None = None  # a local HF checkpoint folder; null = the embedded tiny demo model
+    tokenizer_path: str | None = None  # null = path
     trust_remote_code: bool = False
-    custom_chat_template: Optional[str] = None  # a Jinja chat template used for the prompts instead of the tokenizer's
-    external_lib: Optional[str] = None  # a module to import first (registers custom model classes)
+    custom_chat_template: str | None = None  # a Jinja chat template used for the prompts instead of the tokenizer's
+    external_lib: str | None = None  # a module to import first (registers custom model classes)
     override_config: dict[str, Any] = field(default_factory=dict)
-    dtype: str = "float32"            # the stored weights (verl's model_dtype; float32 = fp32 master weights) | bfloat16 (float16: refused)
+    # the stored weights (verl's model_dtype; float32 = fp32 master weights) | bfloat16 (float16: refused)
+    dtype: str = "float32"
     enable_gradient_checkpointing: bool = True
     # padding-free forward (packed sequences) for log-probs, values and updates; flash-attention varlen kernels when
     # flash_attn is installed and the model runs on CUDA, SDPA otherwise
     use_remove_padding: bool = True
-    lora_rank: int = 0                # > 0 trains a LoRA adapter instead of the full model
+    lora_rank: int = 0  # > 0 trains a LoRA adapter instead of the full model
     lora_alpha: int = 16
     target_modules: Any = "all-linear"  # a module-name list or "all-linear"
-    lora_adapter_path: Optional[str] = None  # start from a saved adapter
+    lora_adapter_path: str | None = None  # start from a saved adapter
 
 
 @dataclass
@@ -102,7 +103,7 @@ class FSDPConfig:
 
 @dataclass
 class PolicyLossConfig:
-    loss_mode: str = "vanilla"        # see `ppoflow algos`
+    loss_mode: str = "vanilla"  # see `ppoflow algos`
     clip_cov_ratio: float = 0.0002
     clip_cov_lb: float = 1.0
     clip_cov_ub: float = 5.0
@@ -112,8 +113,8 @@ class PolicyLossConfig:
 
 @dataclass
 class ActorConfig:
-    strategy: str = "fsdp"            # fsdp | fsdp2: both are FSDP2 (fully_shard) here
-    ppo_mini_batch_size: int = 256    # in prompts; x rollout.n responses per optimizer step
+    strategy: str = "fsdp"  # fsdp | fsdp2: both are FSDP2 (fully_shard) here
+    ppo_mini_batch_size: int = 256  # in prompts; x rollout.n responses per optimizer step
     ppo_micro_batch_size_per_gpu: int = 4  # responses per forward/backward (gradient accumulation; verl: no default)
     ppo_epochs: int = 1
     shuffle: bool = False
@@ -123,8 +124,8 @@ class ActorConfig:
     clip_ratio: float = 0.2
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
-    clip_ratio_c: float = 3.0         # dual-clip bound
-    tau_pos: float = 1.0              # SAPO temperatures
+    clip_ratio_c: float = 3.0  # dual-clip bound
+    tau_pos: float = 1.0  # SAPO temperatures
     tau_neg: float = 1.05
     loss_agg_mode: str = "token-mean"
     entropy_coeff: float = 0.0
@@ -156,11 +157,11 @@ class ValKwargsConfig:
 
 @dataclass
 class RolloutConfig:
-    name: str = "hf"                  # hf (CPU or GPU) | vllm (GPU, `pip install 'ppoflow[gpu]'`)
-    n: int = 1                        # responses per prompt (GRPO, RLOO, ... need several)
+    name: str = "hf"  # hf (CPU or GPU) | vllm (GPU, `pip install 'ppoflow[gpu]'`)
+    n: int = 1  # responses per prompt (GRPO, RLOO, ... need several)
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1                   # -1 = off
+    top_k: int = -1  # -1 = off
     do_sample: bool = True
     prompt_length: int = "${data.max_prompt_length}"  # type: ignore[assignment]
     response_length: int = "${data.max_response_length}"  # type: ignore[assignment]
@@ -173,18 +174,20 @@ class RolloutConfig:
     # false: compiled decoding — vllm captures CUDA graphs; hf uses a static KV cache, which transformers compiles
     # with torch.compile on CUDA (on CPU the static cache runs uncompiled)
     enforce_eager: bool = True
-    free_cache_engine: bool = True    # give the KV-cache memory back after each rollout (vllm: sleep/wake_up; hf: empty the CUDA cache)
+    free_cache_engine: bool = (
+        True  # give the KV-cache memory back after each rollout (vllm: sleep/wake_up; hf: empty the CUDA cache)
+    )
     gpu_memory_utilization: float = 0.5  # vllm: the share of the GPU its weights + KV cache may take
     tensor_model_parallel_size: int = 1  # vllm: GPUs per engine (a divisor of the workers per node)
-    max_num_seqs: int = 256           # vllm: sequences scheduled at once
-    max_model_len: Optional[int] = None  # vllm: null = data.max_prompt_length + data.max_response_length
-    seed: int = 42                    # sampling is seeded by (seed, step, rank, chunk): a re-run step draws the same samples
+    max_num_seqs: int = 256  # vllm: sequences scheduled at once
+    max_model_len: int | None = None  # vllm: null = data.max_prompt_length + data.max_response_length
+    seed: int = 42  # sampling is seeded by (seed, step, rank, chunk): a re-run step draws the same samples
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
 
 
 @dataclass
 class ActorRolloutRefConfig:
-    hybrid_engine: bool = True        # rollout shares the actor's weights in the same worker (the only mode built)
+    hybrid_engine: bool = True  # rollout shares the actor's weights in the same worker (the only mode built)
     model: ModelConfig = field(default_factory=ModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)
@@ -195,10 +198,10 @@ class ActorRolloutRefConfig:
 class CriticModelConfig:
     """The value model; by default the policy's checkpoint with a fresh value head."""
 
-    path: Optional[str] = "${actor_rollout_ref.model.path}"
-    tokenizer_path: Optional[str] = "${actor_rollout_ref.model.tokenizer_path}"
+    path: str | None = "${actor_rollout_ref.model.path}"
+    tokenizer_path: str | None = "${actor_rollout_ref.model.tokenizer_path}"
     trust_remote_code: bool = "${actor_rollout_ref.model.trust_remote_code}"  # type: ignore[assignment]
-    external_lib: Optional[str] = "${actor_rollout_ref.model.external_lib}"
+    external_lib: str | None = "${actor_rollout_ref.model.external_lib}"
     override_config: dict[str, Any] = field(default_factory=dict)
     dtype: str = "${actor_rollout_ref.model.dtype}"
     enable_gradient_checkpointing: bool = True
@@ -206,12 +209,12 @@ class CriticModelConfig:
     lora_rank: int = 0
     lora_alpha: int = 16
     target_modules: Any = "all-linear"
-    lora_adapter_path: Optional[str] = None
+    lora_adapter_path: str | None = None
 
 
 @dataclass
 class CriticConfig:
-    enable: Optional[bool] = None     # null = only when the estimator needs values (gae)
+    enable: bool | None = None  # null = only when the estimator needs values (gae)
     strategy: str = "fsdp"
     rollout_n: int = "${actor_rollout_ref.rollout.n}"  # type: ignore[assignment]
     ppo_mini_batch_size: int = "${actor_rollout_ref.actor.ppo_mini_batch_size}"  # type: ignore[assignment]
@@ -230,8 +233,8 @@ class CriticConfig:
 # ---------------------------------------------------------------------------------------------- reward
 @dataclass
 class RewardModelModelConfig:
-    path: Optional[str] = None
-    input_tokenizer: Optional[str] = None  # the policy's tokenizer path when it differs from the reward model's
+    path: str | None = None
+    input_tokenizer: str | None = None  # the policy's tokenizer path when it differs from the reward model's
     trust_remote_code: bool = False
     dtype: str = "float32"
 
@@ -245,7 +248,7 @@ class RewardModelConfig:
 
 @dataclass
 class CustomRewardFunctionConfig:
-    path: Optional[str] = None        # a .py file with compute_score(data_source, solution_str, ground_truth, extra_info)
+    path: str | None = None  # a .py file with compute_score(data_source, solution_str, ground_truth, extra_info)
     name: str = "compute_score"
     reward_kwargs: dict[str, Any] = field(default_factory=dict)  # extra keyword arguments for the function
 
@@ -261,19 +264,19 @@ class OverlongBufferConfig:
 
 @dataclass
 class RewardConfig:
-    reward_manager: str = "naive"     # naive (one call per sample) | batch (one call with lists)
-    on_error: str = "raise"           # raise: the step fails naming the sample; zero: it scores 0 and is counted
-    lenient_answers: bool = False     # accept near-misses verl's rule scorers reject (a trailing period after #### N)
+    reward_manager: str = "naive"  # naive (one call per sample) | batch (one call with lists)
+    on_error: str = "raise"  # raise: the step fails naming the sample; zero: it scores 0 and is counted
+    lenient_answers: bool = False  # accept near-misses verl's rule scorers reject (a trailing period after #### N)
     # a batch's scoring (the reward function, or the reward model's call) that takes longer fails the step naming the
     # sample it was on; null = no limit
-    timeout_s: Optional[float] = 600.0
+    timeout_s: float | None = 600.0
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
 
 # ---------------------------------------------------------------------------------------------- algorithm
 @dataclass
 class KLControlConfig:
-    type: str = "fixed"               # fixed | adaptive
+    type: str = "fixed"  # fixed | adaptive
     kl_coef: float = 0.001
     horizon: int = 10000
     target_kl: float = 0.1
@@ -284,13 +287,14 @@ class FilterGroupsConfig:
     """DAPO dynamic sampling: keep only the prompts whose responses differ in ``metric``."""
 
     enable: bool = False
-    metric: str = "reward"            # reward (= seq_reward, seq_final_reward: the summed score) | acc (or any per-sample value the scorer returns)
-    max_num_gen_batches: int = 0      # 0 = no limit
+    # reward (= seq_reward, seq_final_reward: the summed score) | acc (or any per-sample value the scorer returns)
+    metric: str = "reward"
+    max_num_gen_batches: int = 0  # 0 = no limit
 
 
 @dataclass
 class AlgorithmConfig:
-    adv_estimator: str = "gae"        # see `ppoflow algos`; gae needs a critic (added automatically)
+    adv_estimator: str = "gae"  # see `ppoflow algos`; gae needs a critic (added automatically)
     gamma: float = 1.0
     lam: float = 1.0
     norm_adv_by_std_in_grpo: bool = True
@@ -303,43 +307,45 @@ class AlgorithmConfig:
 # ---------------------------------------------------------------------------------------------- trainer
 @dataclass
 class RayConfig:
-    address: Optional[str] = None     # null = RAY_ADDRESS, else a local cluster on 127.0.0.1
-    num_cpus: Optional[int] = None    # the local cluster's CPUs; null = the machine's
+    address: str | None = None  # null = RAY_ADDRESS, else a local cluster on 127.0.0.1
+    num_cpus: int | None = None  # the local cluster's CPUs; null = the machine's
 
 
 @dataclass
 class TrainerConfig:
-    project_name: str = "ppoflow"     # the MLflow experiment
-    experiment_name: str = "demo"     # the MLflow run name
-    total_epochs: int = 30            # training stops at whichever of total_epochs / total_training_steps comes first
-    total_training_steps: Optional[int] = None  # null = total_epochs passes over the data
-    device: str = "auto"              # auto (cuda when the cluster has GPUs) | cpu | cuda
-    n_gpus_per_node: int = 1          # workers per node (one per GPU; on CPU, one per process)
+    project_name: str = "ppoflow"  # the MLflow experiment
+    experiment_name: str = "demo"  # the MLflow run name
+    total_epochs: int = 30  # training stops at whichever of total_epochs / total_training_steps comes first
+    total_training_steps: int | None = None  # null = total_epochs passes over the data
+    device: str = "auto"  # auto (cuda when the cluster has GPUs) | cpu | cuda
+    n_gpus_per_node: int = 1  # workers per node (one per GPU; on CPU, one per process)
     nnodes: int = 1
-    cpus_per_worker: Optional[int] = None  # null = a node's CPUs shared out evenly between its workers
-    critic_warmup: int = 0            # steps that train only the critic
-    balance_batch: bool = True        # reorder a step's batch so that every rank gets a similar token count
+    cpus_per_worker: int | None = None  # null = a node's CPUs shared out evenly between its workers
+    critic_warmup: int = 0  # steps that train only the critic
+    balance_batch: bool = True  # reorder a step's batch so that every rank gets a similar token count
     val_before_train: bool = True
-    test_freq: int = 25               # validate every N steps (and after the last); -1 = never
-    save_freq: int = 25               # checkpoint every N steps (and after the last); -1 = never
-    max_ckpt_to_keep: Optional[int] = 2  # null = keep all
+    test_freq: int = 25  # validate every N steps (and after the last); -1 = never
+    save_freq: int = 25  # checkpoint every N steps (and after the last); -1 = never
+    max_ckpt_to_keep: int | None = 2  # null = keep all
     default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"
-    resume_mode: str = "auto"         # auto | disable | resume_path
-    resume_from_path: Optional[str] = None  # a global_step_N folder, with resume_mode=resume_path
-    log_samples_freq: int = 25        # rollout samples table every N steps; -1 = never
+    resume_mode: str = "auto"  # auto | disable | resume_path
+    resume_from_path: str | None = None  # a global_step_N folder, with resume_mode=resume_path
+    log_samples_freq: int = 25  # rollout samples table every N steps; -1 = never
     num_logged_samples: int = 16
-    register_model_name: Optional[str] = None  # register the final actor in the MLflow model registry under this name
-    max_worker_restarts: int = 2      # a dead worker: rebuild the group from the latest checkpoint at most this often
-    keep_workers: Optional[bool] = None  # a failed run leaves its workers alive for the next controller of the same run
-                                      # (a retry, or `ppoflow train` again); null = yes on a persistent cluster, no on
-                                      # the embedded one (a pending Prefect flow-run retry keeps them too)
-    worker_timeout_s: float = 600.0   # every remote call's timeout
-    stage_retries: int = 1            # retries of idempotent stages (generate, log-probs, values) on transient errors
-    prefect_history_steps: int = 1000  # the flow run keeps the stage task runs of its last N steps in Prefect (older ones
-                                      # are deleted: Prefect's database stays bounded on long runs); -1 = keep all
+    register_model_name: str | None = None  # register the final actor in the MLflow model registry under this name
+    max_worker_restarts: int = 2  # a dead worker: rebuild the group from the latest checkpoint at most this often
+    keep_workers: bool | None = None  # a failed run leaves its workers alive for the next controller of the same run
+    # (a retry, or `ppoflow train` again); null = yes on a persistent cluster, no on
+    # the embedded one (a pending Prefect flow-run retry keeps them too)
+    worker_timeout_s: float = 600.0  # every remote call's timeout
+    stage_retries: int = 1  # retries of idempotent stages (generate, log-probs, values) on transient errors
+    prefect_history_steps: int = (
+        1000  # the flow run keeps the stage task runs of its last N steps in Prefect (older ones
+    )
+    # are deleted: Prefect's database stays bounded on long runs); -1 = keep all
     tracking_uri: str = "sqlite:///mlflow.db"  # MLFLOW_TRACKING_URI wins when set
     artifact_location: str = "mlartifacts"
-    cache_dir: str = ".ppoflow"       # the embedded demo model and data are built here once
+    cache_dir: str = ".ppoflow"  # the embedded demo model and data are built here once
     ray: RayConfig = field(default_factory=RayConfig)
 
 
@@ -379,14 +385,26 @@ CHOICES = {
     "trainer.resume_mode": ("auto", "disable", "resume_path"),
 }
 POSITIVE = (
-    "data.max_prompt_length", "data.max_response_length", "data.train_batch_size",
-    "actor_rollout_ref.actor.ppo_mini_batch_size", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
-    "actor_rollout_ref.actor.ppo_epochs", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
-    "actor_rollout_ref.rollout.n", "actor_rollout_ref.rollout.generation_batch_size",
-    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", "actor_rollout_ref.rollout.val_kwargs.n",
-    "actor_rollout_ref.rollout.tensor_model_parallel_size", "actor_rollout_ref.rollout.max_num_seqs",
-    "critic.ppo_micro_batch_size_per_gpu", "critic.forward_micro_batch_size_per_gpu", "reward_model.micro_batch_size_per_gpu",
-    "trainer.total_epochs", "trainer.n_gpus_per_node", "trainer.nnodes", "trainer.worker_timeout_s",
+    "data.max_prompt_length",
+    "data.max_response_length",
+    "data.train_batch_size",
+    "actor_rollout_ref.actor.ppo_mini_batch_size",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+    "actor_rollout_ref.actor.ppo_epochs",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+    "actor_rollout_ref.rollout.n",
+    "actor_rollout_ref.rollout.generation_batch_size",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+    "actor_rollout_ref.rollout.val_kwargs.n",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size",
+    "actor_rollout_ref.rollout.max_num_seqs",
+    "critic.ppo_micro_batch_size_per_gpu",
+    "critic.forward_micro_batch_size_per_gpu",
+    "reward_model.micro_batch_size_per_gpu",
+    "trainer.total_epochs",
+    "trainer.n_gpus_per_node",
+    "trainer.nnodes",
+    "trainer.worker_timeout_s",
 )
 
 
@@ -401,9 +419,12 @@ def check_config(config: Any) -> None:
     from rl_core.algos import ADVANTAGE_ESTIMATORS, KL_PENALTIES, LOSS_AGG_MODES, POLICY_LOSSES
 
     registered = {  # the algorithm registries, as they are when the config is checked (a plugin may add to them)
-        "algorithm.adv_estimator": ADVANTAGE_ESTIMATORS, "actor_rollout_ref.actor.policy_loss.loss_mode": POLICY_LOSSES,
-        "actor_rollout_ref.actor.loss_agg_mode": LOSS_AGG_MODES, "critic.loss_agg_mode": LOSS_AGG_MODES,
-        "actor_rollout_ref.actor.kl_loss_type": KL_PENALTIES, "algorithm.kl_penalty": KL_PENALTIES,
+        "algorithm.adv_estimator": ADVANTAGE_ESTIMATORS,
+        "actor_rollout_ref.actor.policy_loss.loss_mode": POLICY_LOSSES,
+        "actor_rollout_ref.actor.loss_agg_mode": LOSS_AGG_MODES,
+        "critic.loss_agg_mode": LOSS_AGG_MODES,
+        "actor_rollout_ref.actor.kl_loss_type": KL_PENALTIES,
+        "algorithm.kl_penalty": KL_PENALTIES,
     }
     for key, allowed in {**CHOICES, **registered}.items():
         value = OmegaConf.select(config, key)
@@ -417,36 +438,63 @@ def check_config(config: Any) -> None:
         raise ConfigValueError(f"reward.timeout_s={config.reward.timeout_s}: must be > 0 (or null for no limit)")
     steps = config.trainer.total_training_steps
     if steps is not None and steps <= 0:
-        raise ConfigValueError(f"trainer.total_training_steps={steps}: must be > 0 (or null to train for trainer.total_epochs)")
+        raise ConfigValueError(
+            f"trainer.total_training_steps={steps}: must be > 0 (or null to train for trainer.total_epochs)"
+        )
     for key in ("actor_rollout_ref.actor.optim.lr", "critic.optim.lr"):
         lr = OmegaConf.select(config, key)
         if not (math.isfinite(lr) and lr > 0):
             raise ConfigValueError(f"{key}={lr!r}: must be a finite number > 0")
-    for key in ("actor_rollout_ref.model.dtype", "actor_rollout_ref.actor.fsdp_config.dtype", "critic.model.dtype", "critic.fsdp.dtype"):
+    for key in (
+        "actor_rollout_ref.model.dtype",
+        "actor_rollout_ref.actor.fsdp_config.dtype",
+        "critic.model.dtype",
+        "critic.fsdp.dtype",
+    ):
         if OmegaConf.select(config, key) in ("float16", "fp16"):
-            raise ConfigValueError(f"{key}=float16: training in float16 needs loss scaling, which ppoflow does not do (its gradients "
-                                   f"would underflow silently); use bfloat16 (any GPU since Ampere) or float32")
+            raise ConfigValueError(
+                f"{key}=float16: training in float16 needs loss scaling, which ppoflow does not do (its gradients "
+                "would underflow silently); use bfloat16 (any GPU since Ampere) or float32"
+            )
     actor = config.actor_rollout_ref.actor
     if not actor.clip_ratio_c > 1:
-        raise ConfigValueError(f"actor_rollout_ref.actor.clip_ratio_c={actor.clip_ratio_c}: the dual-clip bound must be greater than 1")
+        raise ConfigValueError(
+            f"actor_rollout_ref.actor.clip_ratio_c={actor.clip_ratio_c}: the dual-clip bound must be greater than 1"
+        )
     if actor.ppo_mini_batch_size > config.data.train_batch_size:
-        raise ConfigValueError(f"actor_rollout_ref.actor.ppo_mini_batch_size={actor.ppo_mini_batch_size} > data.train_batch_size="
-                               f"{config.data.train_batch_size}: a mini-batch cannot be larger than the step's batch")
+        raise ConfigValueError(
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={actor.ppo_mini_batch_size} > "
+            f"data.train_batch_size={config.data.train_batch_size}: a mini-batch cannot be larger than the step's batch"
+        )
     if config.algorithm.filter_groups.enable and config.algorithm.use_kl_in_reward:
-        raise ConfigValueError("algorithm.filter_groups.enable=true with algorithm.use_kl_in_reward=true: groups are filtered before "
-                               "the log-probs that the KL penalty needs exist; use actor_rollout_ref.actor.use_kl_loss instead")
-    if not actor.recompute_old_log_prob:
-        if actor.ppo_epochs != 1 or actor.ppo_mini_batch_size != config.data.train_batch_size or config.algorithm.use_kl_in_reward:
-            raise ConfigValueError("actor_rollout_ref.actor.recompute_old_log_prob=false needs ppo_epochs=1, ppo_mini_batch_size = "
-                                   "data.train_batch_size (one update of the policy the responses came from) and no "
-                                   "algorithm.use_kl_in_reward (it needs the old log-probs before the advantage)")
+        raise ConfigValueError(
+            "algorithm.filter_groups.enable=true with algorithm.use_kl_in_reward=true: groups are filtered before the "
+            "log-probs that the KL penalty needs exist; use actor_rollout_ref.actor.use_kl_loss instead"
+        )
+    if not actor.recompute_old_log_prob and (
+        actor.ppo_epochs != 1
+        or actor.ppo_mini_batch_size != config.data.train_batch_size
+        or config.algorithm.use_kl_in_reward
+    ):
+        raise ConfigValueError(
+            "actor_rollout_ref.actor.recompute_old_log_prob=false needs ppo_epochs=1, ppo_mini_batch_size = "
+            "data.train_batch_size (one update of the policy the responses came from) and no "
+            "algorithm.use_kl_in_reward (it needs the old log-probs before the advantage)"
+        )
     rollout = config.actor_rollout_ref.rollout
     if not 0 < rollout.gpu_memory_utilization <= 1:
-        raise ConfigValueError(f"actor_rollout_ref.rollout.gpu_memory_utilization={rollout.gpu_memory_utilization}: a share of the GPU in (0, 1]")
+        raise ConfigValueError(
+            f"actor_rollout_ref.rollout.gpu_memory_utilization={rollout.gpu_memory_utilization}: a share of the GPU in "
+            "(0, 1]"
+        )
     tp = rollout.tensor_model_parallel_size
     if tp > 1 and (rollout.name != "vllm" or config.trainer.n_gpus_per_node % tp):
-        raise ConfigValueError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}: tensor parallelism needs rollout.name=vllm "
-                               f"and a divisor of trainer.n_gpus_per_node={config.trainer.n_gpus_per_node}")
+        raise ConfigValueError(
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}: tensor parallelism needs rollout.name=vllm "
+            f"and a divisor of trainer.n_gpus_per_node={config.trainer.n_gpus_per_node}"
+        )
     if not config.actor_rollout_ref.hybrid_engine:
-        raise ConfigValueError("actor_rollout_ref.hybrid_engine=false: only the hybrid engine (rollout in the actor's worker, "
-                               "sharing its weights) is built; set it to true")
+        raise ConfigValueError(
+            "actor_rollout_ref.hybrid_engine=false: only the hybrid engine (rollout in the actor's worker, sharing its "
+            "weights) is built; set it to true"
+        )

@@ -22,8 +22,15 @@ import torch
 from rl_core.batch import Batch
 
 DEVICES = ("auto", "cpu", "cuda")
-COMPUTE_DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-                  "float16": torch.float16, "fp16": torch.float16}
+COMPUTE_DTYPES = {
+    "auto": None,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 class DeviceError(RuntimeError):
@@ -37,8 +44,10 @@ def resolve_device(requested: str, gpus: float) -> str:
     if requested == "auto":
         return "cuda" if gpus > 0 else "cpu"
     if requested == "cuda" and gpus <= 0:
-        raise DeviceError("trainer.device=cuda but the cluster has no GPU (torch sees none, or the Ray nodes report GPU: 0); "
-                          "run on a GPU machine, or set trainer.device=cpu (or auto)")
+        raise DeviceError(
+            "trainer.device=cuda but the cluster has no GPU (torch sees none, or the Ray nodes report GPU: 0); run on "
+            "a GPU machine, or set trainer.device=cpu (or auto)"
+        )
     return requested
 
 
@@ -50,8 +59,11 @@ def cuda_device_index(local_rank: int, visible_devices: int) -> int:
         return 0
     if 0 <= local_rank < visible_devices:
         return local_rank
-    raise DeviceError(f"local rank {local_rank}, but this process sees {visible_devices} GPU(s) (CUDA_VISIBLE_DEVICES="
-                      f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): give each worker one GPU, or all of its node's")
+    raise DeviceError(
+        f"local rank {local_rank}, but this process sees {visible_devices} GPU(s) "
+        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): give each worker one GPU, or all "
+        "of its node's"
+    )
 
 
 def compute_dtype(name: str, device: str) -> torch.dtype:
@@ -90,8 +102,10 @@ def cuda_memory_metrics(device: str) -> dict[str, float]:
     them: its peak covers every role fused in the process). Empty on the CPU."""
     if device != "cuda":
         return {}
-    metrics = {"perf/max_memory_allocated_gb": torch.cuda.max_memory_allocated() / 2**30,
-               "perf/max_memory_reserved_gb": torch.cuda.max_memory_reserved() / 2**30}
+    metrics = {
+        "perf/max_memory_allocated_gb": torch.cuda.max_memory_allocated() / 2**30,
+        "perf/max_memory_reserved_gb": torch.cuda.max_memory_reserved() / 2**30,
+    }
     torch.cuda.reset_peak_memory_stats()
     return metrics
 

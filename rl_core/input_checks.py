@@ -52,8 +52,10 @@ def data_problems(config: Any) -> list[str]:
         if key == "data.train_files" and rows and not problems:
             usable = min(rows, limit) if limit is not None and limit > 0 else rows
             if usable < config.data.train_batch_size:
-                problems.append(f"data.train_batch_size={config.data.train_batch_size} is larger than the {usable} rows of {key}: "
-                                f"lower it or give more data")
+                problems.append(
+                    f"data.train_batch_size={config.data.train_batch_size} is larger than the {usable} rows of {key}: "
+                    "lower it or give more data"
+                )
     return problems
 
 
@@ -89,9 +91,11 @@ def reward_problems(config: Any) -> list[str]:
     try:
         inspect.signature(function).bind(**dict.fromkeys(arguments))
     except TypeError as error:
-        return [f"custom_reward_function.name={spec.name!r} in {spec.path} cannot be called as {spec.name}({', '.join(arguments)}"
-                f"{', **reward_kwargs' if spec.reward_kwargs else ''}) ({error}); fix its parameters "
-                f"(reward.reward_manager={config.reward.reward_manager} decides which)"]
+        return [
+            f"custom_reward_function.name={spec.name!r} in {spec.path} cannot be called as "
+            f"{spec.name}({', '.join(arguments)}{', **reward_kwargs' if spec.reward_kwargs else ''}) ({error}); fix "
+            f"its parameters (reward.reward_manager={config.reward.reward_manager} decides which)"
+        ]
     return []
 
 
@@ -104,21 +108,33 @@ def device_problems(config: Any) -> list[str]:
         return []
     problems = []
     if config.trainer.device == "cuda" and not torch.cuda.is_available():
-        problems.append("trainer.device=cuda but torch sees no GPU on this machine (CPU-only torch build, or no visible device); "
-                        "set trainer.device=cpu (or auto), or point trainer.ray.address at a GPU cluster")
+        problems.append(
+            "trainer.device=cuda but torch sees no GPU on this machine (CPU-only torch build, or no visible device); "
+            "set trainer.device=cpu (or auto), or point trainer.ray.address at a GPU cluster"
+        )
     if config.actor_rollout_ref.rollout.name == "vllm":
         if importlib.util.find_spec("vllm") is None:
-            problems.append("actor_rollout_ref.rollout.name=vllm but vLLM is not installed; on a GPU machine run "
-                            "`pip install 'ppoflow[gpu]'`, or use actor_rollout_ref.rollout.name=hf")
+            problems.append(
+                "actor_rollout_ref.rollout.name=vllm but vLLM is not installed; on a GPU machine run `pip install "
+                "'ppoflow[gpu]'`, or use actor_rollout_ref.rollout.name=hf"
+            )
         elif config.trainer.device == "cpu" or not torch.cuda.is_available():
-            problems.append("actor_rollout_ref.rollout.name=vllm runs on CUDA GPUs only; use actor_rollout_ref.rollout.name=hf on the CPU")
+            problems.append(
+                "actor_rollout_ref.rollout.name=vllm runs on CUDA GPUs only; use actor_rollout_ref.rollout.name=hf on "
+                "the CPU"
+            )
     return problems
 
 
 def prompt_problems(config: Any) -> list[str]:
-    """With ``data.truncation=error`` (and no filtering): a prompt longer than ``data.max_prompt_length`` tokens, found by
+    """With ``data.truncation=error`` (and no filtering): a prompt longer than ``data.max_prompt_length`` tokens, found
+    by
     tokenizing every row with the policy's tokenizer (as the run's datasets will)."""
-    if config.data.truncation != "error" or config.data.filter_overlong_prompts or config.actor_rollout_ref.model.path is None:
+    if (
+        config.data.truncation != "error"
+        or config.data.filter_overlong_prompts
+        or config.actor_rollout_ref.model.path is None
+    ):
         return []
     from rl_core.models.loading import load_policy_tokenizer
 

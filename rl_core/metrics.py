@@ -7,15 +7,26 @@ import math
 import torch
 
 from rl_core.batch import Batch
-from rl_core.batch_fields import (ADVANTAGES, ATTENTION_MASK, RESPONSE_MASK, RETURNS, TOKEN_LEVEL_REWARDS, TOKEN_LEVEL_SCORES,
-                                  VALUES)
+from rl_core.batch_fields import (
+    ADVANTAGES,
+    ATTENTION_MASK,
+    RESPONSE_MASK,
+    RETURNS,
+    TOKEN_LEVEL_REWARDS,
+    TOKEN_LEVEL_SCORES,
+    VALUES,
+)
 
 
 def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
     values = values.float()
     if values.numel() == 0:
         return {}
-    return {f"{prefix}/mean": values.mean().item(), f"{prefix}/max": values.max().item(), f"{prefix}/min": values.min().item()}
+    return {
+        f"{prefix}/mean": values.mean().item(),
+        f"{prefix}/max": values.max().item(),
+        f"{prefix}/min": values.min().item(),
+    }
 
 
 def compute_data_metrics(batch: Batch) -> dict[str, float]:
@@ -36,7 +47,9 @@ def compute_data_metrics(batch: Batch) -> dict[str, float]:
     return metrics
 
 
-def rollout_probs_diff_metrics(rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor, response_mask: torch.Tensor) -> dict[str, float]:
+def rollout_probs_diff_metrics(
+    rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor, response_mask: torch.Tensor
+) -> dict[str, float]:
     """verl's check that the samples come from the policy that is trained: over response tokens, |p_rollout - p_old| of
     each sampled token (probabilities, from the sampler's log-probs and the recomputed old ones) as
     ``training/rollout_probs_diff_{max,mean,std}``, their Pearson correlation, and ``..._valid`` (0 when there is no
@@ -44,14 +57,27 @@ def rollout_probs_diff_metrics(rollout_log_probs: torch.Tensor, old_log_probs: t
     mask = response_mask.bool()
     if not mask.any():
         nan = float("nan")
-        return {"training/rollout_probs_diff_valid": 0.0, "training/rollout_probs_diff_max": nan, "training/rollout_probs_diff_mean": nan,
-                "training/rollout_probs_diff_std": nan, "training/rollout_actor_probs_pearson_corr": nan}
+        return {
+            "training/rollout_probs_diff_valid": 0.0,
+            "training/rollout_probs_diff_max": nan,
+            "training/rollout_probs_diff_mean": nan,
+            "training/rollout_probs_diff_std": nan,
+            "training/rollout_actor_probs_pearson_corr": nan,
+        }
     rollout_probs, old_probs = rollout_log_probs.float().exp()[mask], old_log_probs.float().exp()[mask]
     diff = (rollout_probs - old_probs).abs()
-    correlation = torch.corrcoef(torch.stack([old_probs, rollout_probs]))[0, 1] if diff.numel() > 1 else torch.tensor(float("nan"))
-    return {"training/rollout_probs_diff_valid": 1.0, "training/rollout_probs_diff_max": diff.max().item(),
-            "training/rollout_probs_diff_mean": diff.mean().item(), "training/rollout_probs_diff_std": diff.std().item() if diff.numel() > 1 else 0.0,
-            "training/rollout_actor_probs_pearson_corr": correlation.item()}
+    correlation = (
+        torch.corrcoef(torch.stack([old_probs, rollout_probs]))[0, 1]
+        if diff.numel() > 1
+        else torch.tensor(float("nan"))
+    )
+    return {
+        "training/rollout_probs_diff_valid": 1.0,
+        "training/rollout_probs_diff_max": diff.max().item(),
+        "training/rollout_probs_diff_mean": diff.mean().item(),
+        "training/rollout_probs_diff_std": diff.std().item() if diff.numel() > 1 else 0.0,
+        "training/rollout_actor_probs_pearson_corr": correlation.item(),
+    }
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -72,7 +98,7 @@ def validation_metrics(data_sources: list[str], uids: list[str], scores: list[fl
             correct: dict[str, list[bool]] = {}
             for i in rows:
                 correct.setdefault(uids[i], []).append(scores[i] > 0)
-            ks = sorted({k for k in (2 ** p for p in range(n.bit_length())) if k < n} | {n})
+            ks = sorted({k for k in (2**p for p in range(n.bit_length())) if k < n} | {n})
             for k in ks:
                 value = sum(pass_at_k(len(c), sum(c), k) for c in correct.values()) / len(correct)
                 metrics[f"{'val-core' if k == n else 'val-aux'}/{source}/acc/pass@{k}"] = value

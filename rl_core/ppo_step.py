@@ -26,9 +26,27 @@ from rl_core.algos.advantage import call_adv_estimator
 from rl_core.algos.kl import apply_kl_penalty
 from rl_core.algos.masked import masked_mean
 from rl_core.batch import Batch
-from rl_core.batch_fields import (ADVANTAGES, ATTENTION_MASK, ENTROPYS, GLOBAL_STEP, GREEDY, OLD_LOG_PROBS, REF_LOG_PROB, RESPONSE_MASK, RETURNS,
-                                  REWARD_BASELINES, RM_SCORES, ROLLOUT_LOG_PROBS, SEQUENCE, TOKEN_LEVEL_REWARDS, TOKEN_LEVEL_SCORES,
-                                  UID, VAL_KWARGS, VALIDATE, VALUES)
+from rl_core.batch_fields import (
+    ADVANTAGES,
+    ATTENTION_MASK,
+    ENTROPYS,
+    GLOBAL_STEP,
+    GREEDY,
+    OLD_LOG_PROBS,
+    REF_LOG_PROB,
+    RESPONSE_MASK,
+    RETURNS,
+    REWARD_BASELINES,
+    RM_SCORES,
+    ROLLOUT_LOG_PROBS,
+    SEQUENCE,
+    TOKEN_LEVEL_REWARDS,
+    TOKEN_LEVEL_SCORES,
+    UID,
+    VAL_KWARGS,
+    VALIDATE,
+    VALUES,
+)
 from rl_core.data.dataset import RLDataset
 from rl_core.data.sampler import ResumableSampler
 from rl_core.metrics import compute_data_metrics, rollout_probs_diff_metrics, validation_metrics
@@ -36,8 +54,16 @@ from rl_core.reward.manager import RewardManager
 
 Metrics = dict[str, float]
 # stage name (the Prefect task) -> its verl timing name (``timing_s/<name>``)
-TIMING_NAMES = {"generate": "gen", "reward": "reward", "old_log_prob": "old_log_prob", "ref_log_prob": "ref", "values": "values",
-                "advantage": "adv", "update_critic": "update_critic", "update_actor": "update_actor"}
+TIMING_NAMES = {
+    "generate": "gen",
+    "reward": "reward",
+    "old_log_prob": "old_log_prob",
+    "ref_log_prob": "ref",
+    "values": "values",
+    "advantage": "adv",
+    "update_critic": "update_critic",
+    "update_actor": "update_actor",
+}
 # stages that give the same result when run again (seeded sampling; pure functions of the weights): retry-safe
 IDEMPOTENT_STAGES = ("generate", "old_log_prob", "ref_log_prob", "values")
 
@@ -84,7 +110,9 @@ def generate(workers: StepWorkers, prompts: Batch, n: int, baseline_reward: Rewa
     sequences = workers.actor.generate_sequences(prompts.repeat_interleave(n))
     if baseline_reward is None:
         return sequences
-    greedy = workers.actor.generate_sequences(Batch(prompts.tensors, prompts.non_tensors, {**prompts.meta_info, GREEDY: True}))
+    greedy = workers.actor.generate_sequences(
+        Batch(prompts.tensors, prompts.non_tensors, {**prompts.meta_info, GREEDY: True})
+    )
     scored, _ = reward(workers, baseline_reward, greedy)
     sequences.tensors[REWARD_BASELINES] = scored.tensors[TOKEN_LEVEL_SCORES].sum(-1).repeat_interleave(n)
     return sequences
@@ -93,7 +121,9 @@ def generate(workers: StepWorkers, prompts: Batch, n: int, baseline_reward: Rewa
 def reward(workers: StepWorkers, reward_manager: RewardManager, batch: Batch) -> tuple[Batch, Metrics]:
     """Stage 2: ``token_level_scores`` (the score on each response's last token) and the scorer's per-sample
     extra values; the reward model's ``rm_scores`` when there is one."""
-    rm_scores = workers.reward_model.compute_rm_score(batch).tensors[RM_SCORES] if workers.reward_model is not None else None
+    rm_scores = (
+        workers.reward_model.compute_rm_score(batch).tensors[RM_SCORES] if workers.reward_model is not None else None
+    )
     result = reward_manager(batch, rm_scores)
     tensors = {TOKEN_LEVEL_SCORES: result.token_level_scores}
     if rm_scores is not None:
@@ -123,20 +153,34 @@ def values(workers: StepWorkers, batch: Batch) -> Batch:
     return workers.critic.compute_values(_for_workers(batch))
 
 
-def advantage(config: Any, kl_controller: Any, batch: Batch, old: Batch | None, ref: Batch | None, value: Batch | None) -> tuple[Batch, Metrics]:
+def advantage(
+    config: Any, kl_controller: Any, batch: Batch, old: Batch | None, ref: Batch | None, value: Batch | None
+) -> tuple[Batch, Metrics]:
     """Stage 6 (cheap maths, in the controller): KL in the reward (optional), then the configured estimator ->
     ``token_level_rewards``, ``advantages``, ``returns``; the KL metrics."""
     algorithm = config.algorithm
     scores, response_mask = batch.tensors[TOKEN_LEVEL_SCORES], batch.tensors[RESPONSE_MASK]
     metrics: Metrics = {}
     if algorithm.use_kl_in_reward:
-        rewards, metrics = apply_kl_penalty(scores, old.tensors[OLD_LOG_PROBS], ref.tensors[REF_LOG_PROB], response_mask,
-                                            kl_controller, algorithm.kl_penalty)
+        rewards, metrics = apply_kl_penalty(
+            scores,
+            old.tensors[OLD_LOG_PROBS],
+            ref.tensors[REF_LOG_PROB],
+            response_mask,
+            kl_controller,
+            algorithm.kl_penalty,
+        )
     else:
         rewards = scores
-    inputs = {"token_level_rewards": rewards, "response_mask": response_mask.float(), "config": algorithm,
-              "index": batch.non_tensors[UID], "gamma": algorithm.gamma, "lam": algorithm.lam,
-              "norm_adv_by_std_in_grpo": algorithm.norm_adv_by_std_in_grpo}
+    inputs = {
+        "token_level_rewards": rewards,
+        "response_mask": response_mask.float(),
+        "config": algorithm,
+        "index": batch.non_tensors[UID],
+        "gamma": algorithm.gamma,
+        "lam": algorithm.lam,
+        "norm_adv_by_std_in_grpo": algorithm.norm_adv_by_std_in_grpo,
+    }
     if value is not None:
         inputs["values"] = value.tensors[VALUES]
     if REWARD_BASELINES in batch.tensors:
@@ -163,8 +207,16 @@ def update_actor(workers: StepWorkers, batch: Batch, old: Batch | None, ref: Bat
 
 
 # ---------------------------------------------------------------------------------------------- one step
-def run_ppo_step(config: Any, workers: StepWorkers, data: RLDataset, sampler: ResumableSampler, reward_manager: RewardManager,
-                 kl_controller: Any, step: int, run_stage: Callable = run_directly) -> tuple[Batch, Metrics]:
+def run_ppo_step(
+    config: Any,
+    workers: StepWorkers,
+    data: RLDataset,
+    sampler: ResumableSampler,
+    reward_manager: RewardManager,
+    kl_controller: Any,
+    step: int,
+    run_stage: Callable = run_directly,
+) -> tuple[Batch, Metrics]:
     """Step ``step``: prompts from ``sampler``, stages 1-8; returns (the finished batch, the step's metrics with
     verl's names, ``timing_s/<stage>`` included)."""
     metrics: Metrics = {}
@@ -190,7 +242,9 @@ def run_ppo_step(config: Any, workers: StepWorkers, data: RLDataset, sampler: Re
     generation_batches = 0
     while True:
         prompts = data.collate(sampler.next_batch(), uid_prefix=f"{step}-{generation_batches}-")
-        prompts.meta_info[GLOBAL_STEP] = step * 1000 + generation_batches  # seeds sampling: a re-run step draws the same
+        prompts.meta_info[GLOBAL_STEP] = (
+            step * 1000 + generation_batches
+        )  # seeds sampling: a re-run step draws the same
         generation_batches += 1
         batch = stage("generate", generate, workers, prompts, n, baseline_reward)
         batch.union(stage("reward", reward, workers, reward_manager, batch))
@@ -201,9 +255,11 @@ def run_ppo_step(config: Any, workers: StepWorkers, data: RLDataset, sampler: Re
         if sum(len(b) for b in kept) >= wanted:
             break
         if 0 < filter_groups.max_num_gen_batches <= generation_batches:
-            raise RuntimeError(f"dynamic sampling found fewer than {config.data.train_batch_size} prompts whose responses differ in "
-                               f"{filter_groups.metric!r} in {generation_batches} generation batches; raise "
-                               f"algorithm.filter_groups.max_num_gen_batches or check the data (are all responses scored alike?)")
+            raise RuntimeError(
+                f"dynamic sampling found fewer than {config.data.train_batch_size} prompts whose responses differ in "
+                f"{filter_groups.metric!r} in {generation_batches} generation batches; raise "
+                "algorithm.filter_groups.max_num_gen_batches or check the data (are all responses scored alike?)"
+            )
     if filter_groups.enable:
         batch = Batch.concat(kept)[:wanted]
         metrics["train/num_gen_batches"] = float(generation_batches)
@@ -212,7 +268,11 @@ def run_ppo_step(config: Any, workers: StepWorkers, data: RLDataset, sampler: Re
 
     # Stages 3-5: log-probs of the current and the reference policy, values (the first skipped when the update's
     # own forward pass serves as the old log-probs: actor.recompute_old_log_prob=false)
-    old = stage("old_log_prob", old_log_prob, workers, batch) if config.actor_rollout_ref.actor.recompute_old_log_prob else None
+    old = (
+        stage("old_log_prob", old_log_prob, workers, batch)
+        if config.actor_rollout_ref.actor.recompute_old_log_prob
+        else None
+    )
     ref = stage("ref_log_prob", ref_log_prob, workers, batch) if use_reference(config) else None
     value = stage("values", values, workers, batch) if use_critic(config) else None
 
@@ -231,8 +291,14 @@ def run_ppo_step(config: Any, workers: StepWorkers, data: RLDataset, sampler: Re
     return batch, {**metrics, **compute_data_metrics(batch), **timing}
 
 
-def run_validation(config: Any, workers: StepWorkers, data: RLDataset, reward_manager: RewardManager,
-                   run_stage: Callable = run_directly, val_kwargs: dict[str, Any] | None = None) -> Metrics:
+def run_validation(
+    config: Any,
+    workers: StepWorkers,
+    data: RLDataset,
+    reward_manager: RewardManager,
+    run_stage: Callable = run_directly,
+    val_kwargs: dict[str, Any] | None = None,
+) -> Metrics:
     """Rollouts with ``val_kwargs`` (the config's ``rollout.val_kwargs`` unless an evaluation gives its own; greedy by
     default) on the validation set, scored like training (reward model included): ``val-core/<data_source>/acc/mean@n``
     and pass@k."""
@@ -248,7 +314,9 @@ def run_validation(config: Any, workers: StepWorkers, data: RLDataset, reward_ma
         scored.append(batch.union(batch_scores))
     batch = Batch.concat(scored)
     scores = batch.tensors[TOKEN_LEVEL_SCORES].sum(-1).tolist()
-    return validation_metrics(list(batch.non_tensors[config.data.reward_fn_key]), list(batch.non_tensors[UID]), scores, n)
+    return validation_metrics(
+        list(batch.non_tensors[config.data.reward_fn_key]), list(batch.non_tensors[UID]), scores, n
+    )
 
 
 # ---------------------------------------------------------------------------------------------- batch shaping
@@ -263,8 +331,10 @@ def informative_groups(batch: Batch, metric: str) -> list[int]:
     elif metric in batch.non_tensors:
         values = list(batch.non_tensors[metric])
     else:
-        raise KeyError(f"algorithm.filter_groups.metric={metric!r}: the reward function reported no per-sample {metric!r}; use "
-                       f"seq_reward or seq_final_reward, or return {{'score': ..., '{metric}': ...}} from compute_score")
+        raise KeyError(
+            f"algorithm.filter_groups.metric={metric!r}: the reward function reported no per-sample {metric!r}; use "
+            f"seq_reward or seq_final_reward, or return {{'score': ..., '{metric}': ...}} from compute_score"
+        )
     by_uid: dict[str, list[int]] = {}
     for row, uid in enumerate(batch.non_tensors[UID]):
         by_uid.setdefault(uid, []).append(row)
@@ -291,4 +361,3 @@ def resolved_total_steps(config: Any, batches_per_epoch: int) -> int:
     by_epochs = config.trainer.total_epochs * batches_per_epoch
     steps = config.trainer.total_training_steps
     return by_epochs if steps is None else min(steps, by_epochs)
-

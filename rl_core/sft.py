@@ -27,7 +27,9 @@ class SFTExample:
 def encode_example(tokenizer, example: SFTExample) -> tuple[list[int], list[int]]:
     """(input ids, loss mask) of prompt + response + EOS; the mask is 1 on response tokens and EOS."""
     if isinstance(example.prompt, str) or tokenizer.chat_template is None:
-        prompt_text = example.prompt if isinstance(example.prompt, str) else "\n".join(m["content"] for m in example.prompt)
+        prompt_text = (
+            example.prompt if isinstance(example.prompt, str) else "\n".join(m["content"] for m in example.prompt)
+        )
     else:
         prompt_text = tokenizer.apply_chat_template(list(example.prompt), add_generation_prompt=True, tokenize=False)
     prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
@@ -46,19 +48,37 @@ def collate(encoded: Sequence[tuple[list[int], list[int]]], pad_token_id: int) -
         attention_mask[row, : len(ids)] = 1
         loss_mask[row, : len(ids)] = torch.tensor(mask, dtype=torch.float32)
     position_ids = torch.clamp(torch.cumsum(attention_mask, dim=-1) - 1, min=0)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids, "loss_mask": loss_mask}
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        "loss_mask": loss_mask,
+    }
 
 
 def sft_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Token-mean negative log-likelihood of the loss-mask tokens."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"], use_cache=False).logits
+    logits = model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        position_ids=batch["position_ids"],
+        use_cache=False,
+    ).logits
     log_probs = token_log_probs(logits[:, :-1], batch["input_ids"][:, 1:])
     mask = batch["loss_mask"][:, 1:]
     return -(log_probs * mask).sum() / mask.sum().clamp(min=1)
 
 
-def run_sft(model: torch.nn.Module, tokenizer, examples: Sequence[SFTExample], steps: int, batch_size: int = 32, lr: float = 3e-3,
-            seed: int = 0, on_step: Callable[[int, float], None] | None = None) -> list[float]:
+def run_sft(
+    model: torch.nn.Module,
+    tokenizer,
+    examples: Sequence[SFTExample],
+    steps: int,
+    batch_size: int = 32,
+    lr: float = 3e-3,
+    seed: int = 0,
+    on_step: Callable[[int, float], None] | None = None,
+) -> list[float]:
     """``steps`` AdamW steps on random batches of ``examples``; returns the loss of each step."""
     encoded = [encode_example(tokenizer, example) for example in examples]
     generator = torch.Generator().manual_seed(seed)

@@ -23,9 +23,9 @@ import json
 import os
 import shutil
 import time
-from pathlib import Path
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, TextIO
 
 POINTER_FILE = "latest_checkpointed_iteration.txt"
@@ -112,7 +112,8 @@ class StepCheckpoints:
         return self.root / f".replaced_global_step_{step}"
 
     def _restore_set_aside(self) -> None:
-        """A crash between setting a step's old folder aside and renaming the new one into place: the old one goes back."""
+        """A crash between setting a step's old folder aside and renaming the new one into place: the old one goes
+        back."""
         for aside in self.root.glob(".replaced_global_step_*"):
             final = self.root / aside.name.removeprefix(".replaced_")
             if final.exists():
@@ -137,7 +138,9 @@ class StepCheckpoints:
         write_manifest(staging)
         final = self.step_dir(step)
         replaced = self._aside(step)
-        if final.exists():  # a step written again (a resumed run): the old folder stays whole until the new one is in place
+        if (
+            final.exists()
+        ):  # a step written again (a resumed run): the old folder stays whole until the new one is in place
             shutil.rmtree(replaced, ignore_errors=True)
             os.replace(final, replaced)
         os.replace(staging, final)
@@ -182,8 +185,10 @@ class StepCheckpoints:
             if problem is None:
                 return candidate, skipped
             skipped.append((candidate, problem))
-        raise CheckpointError(f"every checkpoint in {self.root} is damaged ({'; '.join(f'global_step_{s}: {p}' for s, p in skipped)}); "
-                              f"restore one, or set trainer.resume_mode=disable to start over")
+        raise CheckpointError(
+            f"every checkpoint in {self.root} is damaged ({'; '.join(f'global_step_{s}: {p}' for s, p in skipped)}); "
+            "restore one, or set trainer.resume_mode=disable to start over"
+        )
 
     def check_intact(self, folder: Path) -> None:
         """A CheckpointError naming the damage when ``folder`` is not a complete, intact checkpoint."""
@@ -195,13 +200,16 @@ class StepCheckpoints:
             except CheckpointError:
                 intact = None
             hint = f" (global_step_{intact} is intact)" if intact is not None else ""
-            raise CheckpointError(f"checkpoint {folder} is damaged: {problem}; point trainer.resume_from_path at an intact global_step_N folder{hint}")
+            raise CheckpointError(
+                f"checkpoint {folder} is damaged: {problem}; point trainer.resume_from_path at an intact global_step_N "
+                f"folder{hint}"
+            )
 
     def lock(self, holder: dict[str, Any]) -> FolderLock:
         """Take the folder for this process (until :meth:`FolderLock.release`, or the process ends); a CheckpointError
         naming the run that holds it otherwise. ``holder`` (run, pid, ...) is what a second run is told."""
         self.root.mkdir(parents=True, exist_ok=True)
-        handle = open(self.root / LOCK_FILE, "a+")
+        handle = open(self.root / LOCK_FILE, "a+")  # noqa: SIM115 (held until FolderLock.release)
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -216,7 +224,7 @@ class StepCheckpoints:
         """What the run holding this folder says of itself (run, pid, start), or None when no process holds it. Looks
         without taking the folder and without creating anything."""
         try:
-            handle = open(self.root / LOCK_FILE)
+            handle = open(self.root / LOCK_FILE)  # noqa: SIM115 (the with below, past the OSError)
         except OSError:
             return None
         with handle:
@@ -227,9 +235,11 @@ class StepCheckpoints:
             return None
 
     def in_use_message(self, holder: dict[str, Any]) -> str:
-        return (f"folder {self.root} is in use by run {holder.get('run', '?')} (pid {holder.get('pid', '?')}, started "
-                f"{holder.get('started', '?')}): wait for it to end, or give this run another trainer.experiment_name or "
-                f"trainer.default_local_dir")
+        return (
+            f"folder {self.root} is in use by run {holder.get('run', '?')} (pid {holder.get('pid', '?')}, started "
+            f"{holder.get('started', '?')}): wait for it to end, or give this run another trainer.experiment_name or "
+            "trainer.default_local_dir"
+        )
 
     @contextmanager
     def locked(self, holder: dict[str, Any]) -> Iterator[FolderLock]:
@@ -243,10 +253,14 @@ class StepCheckpoints:
     @staticmethod
     def check_complete(folder: Path) -> None:
         if not folder.is_dir():
-            raise CheckpointError(f"the latest checkpoint {folder} does not exist; restore it, point trainer.resume_from_path at "
-                                  f"another global_step_N folder, or set trainer.resume_mode=disable to start over")
+            raise CheckpointError(
+                f"the latest checkpoint {folder} does not exist; restore it, point trainer.resume_from_path at another "
+                "global_step_N folder, or set trainer.resume_mode=disable to start over"
+            )
         if not (folder / STATE_FILE).is_file():
-            raise CheckpointError(f"checkpoint {folder} is incomplete (no {STATE_FILE}); it was not written by a finished save")
+            raise CheckpointError(
+                f"checkpoint {folder} is incomplete (no {STATE_FILE}); it was not written by a finished save"
+            )
 
     def trainer_state(self, folder: Path) -> dict[str, Any]:
         self.check_complete(folder)
@@ -265,7 +279,8 @@ class StepCheckpoints:
             return None
 
     def _prune(self, newest: int) -> None:
-        """Keep the ``max_to_keep`` newest checkpoints of the run that wrote ``newest``; another run's in the same folder
+        """Keep the ``max_to_keep`` newest checkpoints of the run that wrote ``newest``; another run's in the same
+        folder
         (a run started with resume_mode=disable) are not this run's to delete."""
         if not self.max_to_keep or self.max_to_keep <= 0:
             return

@@ -83,10 +83,20 @@ def demo_cache(tmp_path_factory):
 def small_run_overrides(folder: Path, demo_cache: Path, *extra: str) -> list[str]:
     """A 3-step training run of the demo with small batches, everything written under ``folder``."""
     return [
-        f"trainer.tracking_uri=sqlite:///{folder}/mlflow.db", f"trainer.artifact_location={folder}/mlartifacts",
-        f"trainer.default_local_dir={folder}/checkpoints", f"trainer.cache_dir={demo_cache}",
-        "data.synthetic.train_size=64", "data.synthetic.val_size=16", "data.train_batch_size=4",
-        "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.total_training_steps=3",
-        "trainer.save_freq=1", "trainer.test_freq=3", "trainer.log_samples_freq=1", "trainer.worker_timeout_s=120",
-        "trainer.cpus_per_worker=1", *extra,
+        f"trainer.tracking_uri=sqlite:///{folder}/mlflow.db",
+        f"trainer.artifact_location={folder}/mlartifacts",
+        f"trainer.default_local_dir={folder}/checkpoints",
+        f"trainer.cache_dir={demo_cache}",
+        "data.synthetic.train_size=64",
+        "data.synthetic.val_size=16",
+        "data.train_batch_size=4",
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "trainer.total_training_steps=3",
+        "trainer.save_freq=1",
+        "trainer.test_freq=3",
+        "trainer.log_samples_freq=1",
+        "trainer.worker_timeout_s=120",
+        "trainer.cpus_per_worker=1",
+        *extra,
     ]

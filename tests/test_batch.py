@@ -9,7 +9,10 @@ from rl_core.batch import Batch
 
 def make_batch(size=5):
     return Batch(
-        tensors={"input_ids": torch.arange(size * 3).reshape(size, 3), "scores": torch.arange(size, dtype=torch.float32)},
+        tensors={
+            "input_ids": torch.arange(size * 3).reshape(size, 3),
+            "scores": torch.arange(size, dtype=torch.float32),
+        },
         non_tensors={"uid": [f"p{i}" for i in range(size)], "extra": [{"row": i} for i in range(size)]},
         meta_info={"temperature": 1.0},
     )

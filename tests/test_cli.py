@@ -7,7 +7,9 @@ from tests.conftest import ROOT
 
 
 def ppoflow(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
 
 
 def test_algos_lists_the_registries():
@@ -18,9 +20,10 @@ def test_algos_lists_the_registries():
 def test_train_rejects_a_bad_key_and_a_bad_type():
     result = ppoflow("train", "algorithm.adv_estimatr=gae")
     assert result.returncode == 2
-    assert result.stderr.strip() == ("ppoflow train: unknown config key 'algorithm.adv_estimatr': check the spelling "
-                                     "(`ppoflow config` prints every key); your reward function's own settings go in "
-                                     "custom_reward_function.reward_kwargs")
+    assert result.stderr.strip() == (
+        "ppoflow train: unknown config key 'algorithm.adv_estimatr': check the spelling (`ppoflow config` prints every "
+        "key); your reward function's own settings go in custom_reward_function.reward_kwargs"
+    )
     result = ppoflow("train", "trainer.total_training_steps=ten")
     assert result.returncode == 2 and "trainer.total_training_steps: expected int, got 'ten' (str)" in result.stderr
     result = ppoflow("train", "+trainer.wandb_key=abc")  # `+` cannot add a key the schema does not have

@@ -9,8 +9,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # what a bare GPU machine does not have: each import of these fails in the script's process
 ABSENT = ("omegaconf", "hydra", "pyarrow", "ray", "prefect", "mlflow", "vllm", "pandas", "optuna")
-RUNNER = ("import runpy, sys; sys.modules.update({name: None for name in %r}); sys.argv = ['gpu_check.py', '--device', 'cpu']; "
-          "runpy.run_path('bench/gpu_check.py', run_name='__main__')" % (ABSENT,))
+RUNNER = (
+    f"import runpy, sys; sys.modules.update({{name: None for name in {ABSENT!r}}}); sys.argv = ['gpu_check.py', "
+    "'--device', 'cpu']; runpy.run_path('bench/gpu_check.py', run_name='__main__')"
+)
 
 
 def test_gpu_check_runs_on_the_cpu_with_only_torch_transformers_peft_safetensors():

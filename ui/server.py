@@ -29,7 +29,8 @@ from ui.store import RunStore
 STATIC = Path(__file__).resolve().parent / "static"
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1", "[::1]")
 SECURITY_HEADERS = {
-    "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; object-src 'none'; base-uri 'none'",
+    "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "object-src 'none'; base-uri 'none'",
     "X-Content-Type-Options": "nosniff",
     "Referrer-Policy": "no-referrer",
 }
@@ -45,9 +46,11 @@ class Links:
 
     @classmethod
     def from_environment(cls) -> Links:
-        return cls(mlflow_url=os.environ.get("PPOFLOW_MLFLOW_UI_URL", cls.mlflow_url),
-                   prefect_url=os.environ.get("PREFECT_UI_URL", cls.prefect_url).removesuffix("/api"),
-                   ray_dashboard_url=os.environ.get("RAY_DASHBOARD_URL", cls.ray_dashboard_url))
+        return cls(
+            mlflow_url=os.environ.get("PPOFLOW_MLFLOW_UI_URL", cls.mlflow_url),
+            prefect_url=os.environ.get("PREFECT_UI_URL", cls.prefect_url).removesuffix("/api"),
+            ray_dashboard_url=os.environ.get("RAY_DASHBOARD_URL", cls.ray_dashboard_url),
+        )
 
 
 class SecurityHeaders(BaseHTTPMiddleware):
@@ -57,11 +60,20 @@ class SecurityHeaders(BaseHTTPMiddleware):
         return response
 
 
-def create_app(tracking_uri: str, links: Links | None = None, default_experiment: str = "ppoflow",
-               allowed_hosts: list[str] | None = None) -> Starlette:
-    """The app over the store at ``tracking_uri``; requests must name it by a loopback name or one of ``allowed_hosts``."""
+def create_app(
+    tracking_uri: str,
+    links: Links | None = None,
+    default_experiment: str = "ppoflow",
+    allowed_hosts: list[str] | None = None,
+) -> Starlette:
+    """The app over the store at ``tracking_uri``; requests must name it by a loopback name or one of
+    ``allowed_hosts``."""
     store = RunStore(tracking_uri)
-    settings = {**asdict(links or Links.from_environment()), "default_experiment": default_experiment, "tracking_uri": redact_text(tracking_uri)}
+    settings = {
+        **asdict(links or Links.from_environment()),
+        "default_experiment": default_experiment,
+        "tracking_uri": redact_text(tracking_uri),
+    }
 
     def run_ids(request: Request) -> list[str]:
         ids = request.query_params.getlist("run")
@@ -77,31 +89,55 @@ def create_app(tracking_uri: str, links: Links | None = None, default_experiment
                 return JSONResponse({"error": str(error)}, status_code=400)
             except Exception as error:  # an unknown run or experiment, an unreadable artifact: say so, do not crash
                 return JSONResponse({"error": f"{type(error).__name__}: {error}"}, status_code=404)
+
         return endpoint
 
     routes = [
         Route("/", lambda request: FileResponse(STATIC / "index.html"), methods=["GET"]),
         Route("/api/settings", api(lambda request: settings), methods=["GET"]),
         Route("/api/experiments", api(lambda request: store.experiments()), methods=["GET"]),
-        Route("/api/runs", api(lambda request: store.runs(request.query_params.get("experiment", default_experiment))), methods=["GET"]),
-        Route("/api/curves", api(lambda request: store.curves(run_ids(request), int(request.query_params.get("max_points", 1000)))), methods=["GET"]),
+        Route(
+            "/api/runs",
+            api(lambda request: store.runs(request.query_params.get("experiment", default_experiment))),
+            methods=["GET"],
+        ),
+        Route(
+            "/api/curves",
+            api(lambda request: store.curves(run_ids(request), int(request.query_params.get("max_points", 1000)))),
+            methods=["GET"],
+        ),
         Route("/api/timeline", api(lambda request: store.timeline(run_ids(request)[0])), methods=["GET"]),
         Route("/api/sample-steps", api(lambda request: store.sample_steps(run_ids(request)[0])), methods=["GET"]),
-        Route("/api/samples", api(lambda request: store.samples(run_ids(request)[0], int(request.query_params["step"]))), methods=["GET"]),
+        Route(
+            "/api/samples",
+            api(lambda request: store.samples(run_ids(request)[0], int(request.query_params["step"]))),
+            methods=["GET"],
+        ),
         Route("/api/config-diff", api(lambda request: store.config_diff(run_ids(request))), methods=["GET"]),
         Mount("/static", StaticFiles(directory=STATIC), name="static"),
     ]
     hosts = [*LOOPBACK_NAMES, *(allowed_hosts or [])]
-    return Starlette(routes=routes, middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=hosts), Middleware(SecurityHeaders)])
+    return Starlette(
+        routes=routes, middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=hosts), Middleware(SecurityHeaders)]
+    )
 
 
-def serve(tracking_uri: str, host: str = "127.0.0.1", port: int = 8420, links: Links | None = None, default_experiment: str = "ppoflow",
-          allowed_hosts: list[str] | None = None) -> None:
+def serve(
+    tracking_uri: str,
+    host: str = "127.0.0.1",
+    port: int = 8420,
+    links: Links | None = None,
+    default_experiment: str = "ppoflow",
+    allowed_hosts: list[str] | None = None,
+) -> None:
     import uvicorn
 
     allowed = list(allowed_hosts or [])
     if host not in LOOPBACK_NAMES:
-        print(f"ppoflow ui: listening on {host}, reachable from other machines (the page shows every logged prompt and response)")
+        print(
+            f"ppoflow ui: listening on {host}, reachable from other machines (the page shows every logged prompt and "
+            "response)"
+        )
         allowed.append(host)
     print(f"ppoflow ui: http://{host}:{port}/ (runs of {redact_text(tracking_uri)})")
     uvicorn.run(create_app(tracking_uri, links, default_experiment, allowed), host=host, port=port, log_level="warning")

@@ -82,9 +82,11 @@ class RunStore:
 
     def _points(self, run_id: str, key: str, ended: bool) -> list[tuple[int, float]]:
         """The metric's (step, value) history in step order."""
+
         def load() -> list[tuple[int, float]]:
             history = sorted(self.client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp))
             return [(m.step, m.value) for m in history]
+
         return self._cached((run_id, key), load, keep=ended)
 
     # ------------------------------------------------------------------ runs
@@ -95,18 +97,21 @@ class RunStore:
         """The experiment's runs, newest first: status, algorithm, model, step, latest score."""
         found = self.client.get_experiment_by_name(experiment) or self.client.get_experiment(experiment)
         runs = self.client.search_runs([found.experiment_id], order_by=["attributes.start_time DESC"], max_results=500)
-        return [{
-            "run_id": run.info.run_id,
-            "name": run.info.run_name,
-            "status": run.info.status,
-            "algorithm": run.data.params.get("algorithm.adv_estimator", ""),
-            "model": run.data.params.get("actor_rollout_ref.model.path", ""),
-            "step": int(run.data.metrics.get(STEP_MARKER, 0)),
-            "score": run.data.metrics.get(SCORE),
-            "start_time": run.info.start_time,
-            "experiment_id": run.info.experiment_id,
-            "prefect_flow_run_id": run.data.tags.get("ppoflow.prefect_flow_run_id"),
-        } for run in runs]
+        return [
+            {
+                "run_id": run.info.run_id,
+                "name": run.info.run_name,
+                "status": run.info.status,
+                "algorithm": run.data.params.get("algorithm.adv_estimator", ""),
+                "model": run.data.params.get("actor_rollout_ref.model.path", ""),
+                "step": int(run.data.metrics.get(STEP_MARKER, 0)),
+                "score": run.data.metrics.get(SCORE),
+                "start_time": run.info.start_time,
+                "experiment_id": run.info.experiment_id,
+                "prefect_flow_run_id": run.data.tags.get("ppoflow.prefect_flow_run_id"),
+            }
+            for run in runs
+        ]
 
     # ------------------------------------------------------------------ curves
     def curve_keys(self, run: Any) -> dict[str, list[str]]:
@@ -141,7 +146,12 @@ class RunStore:
         if len(steps) > max_points:  # every n-th step: stacked bars need the same steps in every series
             stride = -(-len(steps) // max_points)
             steps = steps[::stride]
-        return {"steps": steps, "stages": [{"stage": k[len("timing_s/"):], "values": [histories[k].get(s, 0.0) for s in steps]} for k in keys]}
+        return {
+            "steps": steps,
+            "stages": [
+                {"stage": k[len("timing_s/") :], "values": [histories[k].get(s, 0.0) for s in steps]} for k in keys
+            ],
+        }
 
     # ------------------------------------------------------------------ rollout samples
     def sample_steps(self, run_id: str) -> list[int]:
@@ -157,6 +167,7 @@ class RunStore:
             with tempfile.TemporaryDirectory() as folder:
                 table = json.loads(Path(self.client.download_artifacts(run_id, path, folder)).read_text())
             return [dict(zip(table["columns"], values)) for values in table["data"]]
+
         return self._cached((run_id, path), load, keep=True)  # a step's samples are written once
 
     # ------------------------------------------------------------------ configs
@@ -164,5 +175,7 @@ class RunStore:
         """The config keys (MLflow params) whose values differ between the runs: ``{key: {run_id: value}}``."""
         params = {run_id: self.client.get_run(run_id).data.params for run_id in run_ids}
         keys = sorted(set().union(*(p.keys() for p in params.values()))) if params else []
-        differing = {k: {r: params[r].get(k) for r in run_ids} for k in keys if len({params[r].get(k) for r in run_ids}) > 1}
+        differing = {
+            k: {r: params[r].get(k) for r in run_ids} for k in keys if len({params[r].get(k) for r in run_ids}) > 1
+        }
         return {"run_ids": run_ids, "differing": differing}

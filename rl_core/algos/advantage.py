@@ -33,7 +33,9 @@ def register_adv_est(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
 
     def decorator(fn: AdvantageFn) -> AdvantageFn:
         if name in ADVANTAGE_ESTIMATORS and ADVANTAGE_ESTIMATORS[name] is not fn:
-            raise ValueError(f"advantage estimator {name!r} is already registered ({ADVANTAGE_ESTIMATORS[name].__qualname__})")
+            raise ValueError(
+                f"advantage estimator {name!r} is already registered ({ADVANTAGE_ESTIMATORS[name].__qualname__})"
+            )
         ADVANTAGE_ESTIMATORS[name] = fn
         return fn
 
@@ -42,7 +44,10 @@ def register_adv_est(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
 
 def get_adv_estimator_fn(name: str) -> AdvantageFn:
     if name not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"algorithm.adv_estimator={name!r} is not registered; choose one of {sorted(ADVANTAGE_ESTIMATORS)} or register yours with @register_adv_est")
+        raise ValueError(
+            f"algorithm.adv_estimator={name!r} is not registered; choose one of {sorted(ADVANTAGE_ESTIMATORS)} or "
+            "register yours with @register_adv_est"
+        )
     return ADVANTAGE_ESTIMATORS[name]
 
 
@@ -122,7 +127,8 @@ def compute_grpo_outcome_advantage(
     config: Any = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """GRPO: A_i = (s_i - mean_g) / (std_g + epsilon); without ``norm_adv_by_std_in_grpo``, A_i = s_i - mean_g (Dr.GRPO).
+    """GRPO: A_i = (s_i - mean_g) / (std_g + epsilon); without ``norm_adv_by_std_in_grpo``, A_i = s_i - mean_g
+    (Dr.GRPO).
 
     A single-sample group uses mean 0 and std 1 (verl's convention). A_i is broadcast over the response.
     """
@@ -158,7 +164,10 @@ def compute_grpo_passk_outcome_advantage(
         stats = group_stats(scores, index)
         if bool((stats.count < 2).any()):
             bad = stats.group[stats.count < 2][0].item()
-            raise ValueError(f"grpo_passk needs at least 2 samples per group; group #{bad} has 1 (set actor_rollout_ref.rollout.n >= 2)")
+            raise ValueError(
+                f"grpo_passk needs at least 2 samples per group; group #{bad} has 1 (set actor_rollout_ref.rollout.n "
+                ">= 2)"
+            )
         num_samples, num_groups = scores.shape[0], stats.num_groups
         lowest = torch.full((num_groups,), -torch.inf, dtype=scores.dtype, device=scores.device)
         group_max = lowest.scatter_reduce(0, stats.group, scores, reduce="amax")
@@ -189,7 +198,8 @@ def compute_rloo_outcome_advantage(
     config: Any = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """RLOO (arXiv:2402.14740): A_i = s_i - mean_{j != i} s_j = n/(n-1) (s_i - mean_g); a single sample keeps A_i = s_i."""
+    """RLOO (arXiv:2402.14740): A_i = s_i - mean_{j != i} s_j = n/(n-1) (s_i - mean_g); a single sample keeps A_i =
+    s_i."""
     with torch.no_grad():
         scores = token_level_rewards.sum(dim=-1)
         stats = group_stats(scores, index)
@@ -217,7 +227,9 @@ def compute_opo_outcome_advantage(
         scores = token_level_rewards.sum(dim=-1)
         lengths = response_mask.sum(dim=-1).to(scores.dtype)
         group, num_groups = group_numbers(index, scores.device)
-        weighted = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device).index_add_(0, group, lengths * scores)
+        weighted = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device).index_add_(
+            0, group, lengths * scores
+        )
         total_length = torch.zeros_like(weighted).index_add_(0, group, lengths)
         count = torch.bincount(group, minlength=num_groups)
         baseline = torch.where(count > 1, weighted / total_length, torch.zeros_like(weighted))
@@ -277,7 +289,8 @@ def compute_remax_outcome_advantage(
     config: Any = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """ReMax (arXiv:2310.10505): G_t = sum_{t' >= t} r_t' (valid tokens); A_t = G_t - b, b = greedy response's reward."""
+    """ReMax (arXiv:2310.10505): G_t = sum_{t' >= t} r_t' (valid tokens); A_t = G_t - b, b = greedy response's
+    reward."""
     with torch.no_grad():
         returns = (token_level_rewards * response_mask).flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
         advantages = returns - reward_baselines.unsqueeze(-1) * response_mask
@@ -319,9 +332,14 @@ def call_adv_estimator(name: str, **available: Any) -> tuple[torch.Tensor, torch
     parameters = inspect.signature(fn).parameters
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
         available = {k: v for k, v in available.items() if k in parameters}
-    missing = [p.name for p in parameters.values() if p.default is inspect.Parameter.empty
-               and p.kind is p.POSITIONAL_OR_KEYWORD and p.name not in available]
+    missing = [
+        p.name
+        for p in parameters.values()
+        if p.default is inspect.Parameter.empty and p.kind is p.POSITIONAL_OR_KEYWORD and p.name not in available
+    ]
     if missing:
-        raise ValueError(f"advantage estimator {name!r} needs {missing}, which this batch does not have "
-                         f"(e.g. 'values' needs a critic, 'reward_baselines' needs the ReMax greedy rollout)")
+        raise ValueError(
+            f"advantage estimator {name!r} needs {missing}, which this batch does not have (e.g. 'values' needs a "
+            "critic, 'reward_baselines' needs the ReMax greedy rollout)"
+        )
     return fn(**available)

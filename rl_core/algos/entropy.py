@@ -25,12 +25,18 @@ def entropy_from_logits(logits: torch.Tensor, chunk_size: int | None = 2048) -> 
     flat = logits.reshape(-1, logits.shape[-1])
     step = max(flat.shape[0] if chunk_size is None else chunk_size, 1)
     recompute = flat.requires_grad and torch.is_grad_enabled()
-    pieces = [torch.utils.checkpoint.checkpoint(_chunk_entropy, chunk, use_reentrant=False) if recompute else _chunk_entropy(chunk)
-              for chunk in flat.split(step)]
+    pieces = [
+        torch.utils.checkpoint.checkpoint(_chunk_entropy, chunk, use_reentrant=False)
+        if recompute
+        else _chunk_entropy(chunk)
+        for chunk in flat.split(step)
+    ]
     entropy = torch.cat(pieces) if pieces else flat.new_zeros(0, dtype=torch.float32)
     return entropy.reshape(leading_shape)
 
 
-def compute_entropy_loss(logits: torch.Tensor, response_mask: torch.Tensor, loss_agg_mode: str = "token-mean") -> torch.Tensor:
+def compute_entropy_loss(
+    logits: torch.Tensor, response_mask: torch.Tensor, loss_agg_mode: str = "token-mean"
+) -> torch.Tensor:
     """Aggregated token entropy of ``logits`` (batch, response_length, vocab) over ``response_mask``."""
     return agg_loss(entropy_from_logits(logits), response_mask, loss_agg_mode)

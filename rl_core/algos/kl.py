@@ -114,5 +114,7 @@ def get_kl_controller(kl_ctrl: Any) -> FixedKLController | AdaptiveKLController:
     if kind == "fixed":
         return FixedKLController(kl_coef)
     if kind == "adaptive":
-        return AdaptiveKLController(kl_coef, config_get(kl_ctrl, "target_kl", 0.1), config_get(kl_ctrl, "horizon", 10000))
+        return AdaptiveKLController(
+            kl_coef, config_get(kl_ctrl, "target_kl", 0.1), config_get(kl_ctrl, "horizon", 10000)
+        )
     raise ValueError(f"algorithm.kl_ctrl.type={kind!r}; choose 'fixed' or 'adaptive'")

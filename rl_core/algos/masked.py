@@ -25,7 +25,9 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
         if mask_sum == 0:
             raise ValueError("masked_var: the mask selects no element")
         if mask_sum == 1:
-            raise ValueError("masked_var: the mask selects one element, the unbiased variance divides by zero; use a larger batch")
+            raise ValueError(
+                "masked_var: the mask selects one element, the unbiased variance divides by zero; use a larger batch"
+            )
         variance = variance * (mask_sum / (mask_sum - 1))
     return variance
 

@@ -40,7 +40,10 @@ def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
 
 def get_policy_loss_fn(name: str) -> PolicyLossFn:
     if name not in POLICY_LOSSES:
-        raise ValueError(f"actor_rollout_ref.actor.policy_loss.loss_mode={name!r} is not registered; choose one of {sorted(POLICY_LOSSES)} or register yours with @register_policy_loss")
+        raise ValueError(
+            f"actor_rollout_ref.actor.policy_loss.loss_mode={name!r} is not registered; choose one of "
+            f"{sorted(POLICY_LOSSES)} or register yours with @register_policy_loss"
+        )
     return POLICY_LOSSES[name]
 
 
@@ -63,8 +66,14 @@ def _scalar(value: torch.Tensor | float) -> float:
     return value.detach().item() if isinstance(value, torch.Tensor) else float(value)
 
 
-def _metrics(pg_clipfrac: torch.Tensor | float, ppo_kl: torch.Tensor, pg_clipfrac_lower: torch.Tensor | float = 0.0) -> dict[str, float]:
-    return {"actor/pg_clipfrac": _scalar(pg_clipfrac), "actor/ppo_kl": _scalar(ppo_kl), "actor/pg_clipfrac_lower": _scalar(pg_clipfrac_lower)}
+def _metrics(
+    pg_clipfrac: torch.Tensor | float, ppo_kl: torch.Tensor, pg_clipfrac_lower: torch.Tensor | float = 0.0
+) -> dict[str, float]:
+    return {
+        "actor/pg_clipfrac": _scalar(pg_clipfrac),
+        "actor/ppo_kl": _scalar(ppo_kl),
+        "actor/pg_clipfrac_lower": _scalar(pg_clipfrac_lower),
+    }
 
 
 # ---------------------------------------------------------------------------------------------- losses
@@ -78,7 +87,8 @@ def compute_policy_loss_vanilla(
     config: Any = None,
     rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO clip: max(-A r, -A clip(r, 1-eps_low, 1+eps_high)); for A < 0 also capped at -A c (dual-clip, c = clip_ratio_c).
+    """PPO clip: max(-A r, -A clip(r, 1-eps_low, 1+eps_high)); for A < 0 also capped at -A c (dual-clip, c =
+    clip_ratio_c).
 
     log r is clamped to [-20, 20]. pg_clipfrac: share of tokens where the clipped term wins; pg_clipfrac_lower:
     share where the dual-clip cap applies; ppo_kl = mean(old_log_prob - log_prob).
@@ -202,7 +212,9 @@ def compute_policy_loss_clip_cov(
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
     clipped_by_ppo = (clipped > unclipped) & (response_mask > 0)
-    covariance = (advantages - masked_mean(advantages, response_mask)) * (log_prob - masked_mean(log_prob.detach(), response_mask))
+    covariance = (advantages - masked_mean(advantages, response_mask)) * (
+        log_prob - masked_mean(log_prob.detach(), response_mask)
+    )
     covariance = covariance.masked_fill((response_mask == 0) | clipped_by_ppo, -torch.inf)
     num_to_cut = max(int(clip_cov_ratio * response_mask.sum().item()), 1)
     candidates = torch.nonzero((covariance < clip_cov_ub) & (covariance > clip_cov_lb) & (response_mask > 0))
@@ -279,12 +291,16 @@ def compute_policy_loss_geo_mean(
     seq_advantage = (advantages * response_mask).sum(dim=-1) / (lengths + 1e-8)
     pg_losses = -seq_advantage * seq_ratio
     if rollout_is_weights is not None:
-        pg_losses = pg_losses * torch.exp((torch.log(rollout_is_weights + 1e-10) * response_mask).sum(dim=-1) / (lengths + 1e-8))
+        pg_losses = pg_losses * torch.exp(
+            (torch.log(rollout_is_weights + 1e-10) * response_mask).sum(dim=-1) / (lengths + 1e-8)
+        )
     clipped = torch.ne(log_ratio, log_ratio_clamped)
     pg_clipfrac = masked_mean((clipped & (advantages > 0)).float(), response_mask)
     pg_clipfrac_lower = masked_mean((clipped & (advantages < 0)).float(), response_mask)
     non_empty = (lengths > 0).to(pg_losses.dtype)
-    pg_loss = _aggregate(pg_losses.unsqueeze(-1), non_empty.unsqueeze(-1), "seq-mean-token-sum", config)  # one "token" per sequence
+    pg_loss = _aggregate(
+        pg_losses.unsqueeze(-1), non_empty.unsqueeze(-1), "seq-mean-token-sum", config
+    )  # one "token" per sequence
     return pg_loss, _metrics(pg_clipfrac, ppo_kl, pg_clipfrac_lower)
 
 

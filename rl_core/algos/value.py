@@ -20,7 +20,8 @@ def compute_value_loss(
     global_batch_size: int | torch.Tensor | None = None,
     loss_scale_factor: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """vf_loss = 1/2 agg(max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)); vf_clipfrac = share where the clip wins.
+    """vf_loss = 1/2 agg(max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)); vf_clipfrac = share where the clip
+    wins.
 
     V = ``vpreds`` (current critic), V_old = ``values`` (at rollout time), R = ``returns``, c = ``cliprange_value``.
     """

@@ -24,7 +24,16 @@ from typing import Any
 import torch
 
 from rl_core.batch import Batch
-from rl_core.batch_fields import ATTENTION_MASK, DATA_SOURCE, EXTRA_INFO, INPUT_IDS, POSITION_IDS, RAW_PROMPT, REWARD_MODEL, UID
+from rl_core.batch_fields import (
+    ATTENTION_MASK,
+    DATA_SOURCE,
+    EXTRA_INFO,
+    INPUT_IDS,
+    POSITION_IDS,
+    RAW_PROMPT,
+    REWARD_MODEL,
+    UID,
+)
 
 
 class DatasetError(ValueError):
@@ -103,12 +112,17 @@ def validate_row(row: dict, where: str, prompt_key: str = "prompt") -> None:
     if not isinstance(row.get("data_source"), str):
         raise DatasetError(f"{where} has no string 'data_source' column (it picks the reward scorer)")
     prompt = row.get(prompt_key)
-    if isinstance(prompt, str):
-        pass
-    elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
+    if isinstance(prompt, str) or (
+        isinstance(prompt, (list, tuple))
+        and prompt
+        and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt)
+    ):
         pass
     else:
-        raise DatasetError(f"{where}: column '{prompt_key}' must be a list of {{'role', 'content'}} messages or a string, got {prompt!r:.80}")
+        raise DatasetError(
+            f"{where}: column '{prompt_key}' must be a list of {{'role', 'content'}} messages or a string, got "
+            f"{prompt!r:.80}"
+        )
     reward_model = row.get("reward_model")
     if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
         raise DatasetError(f"{where} has no 'reward_model.ground_truth' (needed by the rule and custom reward scorers)")
@@ -139,15 +153,20 @@ class RLDataset:
                         self.num_filtered += 1
                         continue
                     if self.truncation == "error":
-                        raise DatasetError(f"{where}: the prompt has {len(ids)} tokens > data.max_prompt_length={self.max_prompt_length}; "
-                                           f"raise max_prompt_length, set data.filter_overlong_prompts=true or data.truncation=left|right")
-                    ids = ids[-self.max_prompt_length:] if self.truncation == "left" else ids[: self.max_prompt_length]
+                        raise DatasetError(
+                            f"{where}: the prompt has {len(ids)} tokens > "
+                            f"data.max_prompt_length={self.max_prompt_length}; raise max_prompt_length, set "
+                            "data.filter_overlong_prompts=true or data.truncation=left|right"
+                        )
+                    ids = ids[-self.max_prompt_length :] if self.truncation == "left" else ids[: self.max_prompt_length]
                 self.rows.append(row)
                 self.prompt_ids.append(ids)
         if max_samples is not None and max_samples > 0:
             self.rows, self.prompt_ids = self.rows[:max_samples], self.prompt_ids[:max_samples]
         if not self.rows:
-            raise DatasetError(f"{files}: no usable rows ({self.num_filtered} filtered as longer than {self.max_prompt_length} tokens)")
+            raise DatasetError(
+                f"{files}: no usable rows ({self.num_filtered} filtered as longer than {self.max_prompt_length} tokens)"
+            )
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -167,8 +186,8 @@ class RLDataset:
         attention_mask = torch.zeros((len(indices), length), dtype=torch.long)
         for i, index in enumerate(indices):
             ids = self.prompt_ids[index]
-            input_ids[i, length - len(ids):] = torch.tensor(ids, dtype=torch.long)
-            attention_mask[i, length - len(ids):] = 1
+            input_ids[i, length - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[i, length - len(ids) :] = 1
         position_ids = torch.clamp(torch.cumsum(attention_mask, dim=-1) - 1, min=0)
         rows = [self.rows[i] for i in indices]
         non_tensors = {

@@ -33,13 +33,15 @@ def convert_rows(rows: list[dict], split: str, source: str = "") -> list[dict]:
             ground_truth = extract_solution(row["answer"])
         except ValueError as error:
             raise DatasetError(f"{source}: row {index}, column 'answer': {error}") from error
-        converted.append({
-            "data_source": DATA_SOURCE,
-            "prompt": [{"role": "user", "content": f"{row['question']} {INSTRUCTION}"}],
-            "ability": "math",
-            "reward_model": {"style": "rule", "ground_truth": ground_truth},
-            "extra_info": {"split": split, "index": index, "answer": row["answer"], "question": row["question"]},
-        })
+        converted.append(
+            {
+                "data_source": DATA_SOURCE,
+                "prompt": [{"role": "user", "content": f"{row['question']} {INSTRUCTION}"}],
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": ground_truth},
+                "extra_info": {"split": split, "index": index, "answer": row["answer"], "question": row["question"]},
+            }
+        )
     return converted
 
 
@@ -49,7 +51,9 @@ def preprocess(input_dir: str | Path, output_dir: str | Path) -> dict[str, Path]
     for split in ("train", "test"):
         candidates = sorted(input_dir.glob(f"{split}*.jsonl")) + sorted(input_dir.glob(f"{split}*.parquet"))
         if candidates:
-            written[split] = write_rows(convert_rows(read_rows(candidates[0]), split, str(candidates[0])), Path(output_dir) / f"{split}.parquet")
+            written[split] = write_rows(
+                convert_rows(read_rows(candidates[0]), split, str(candidates[0])), Path(output_dir) / f"{split}.parquet"
+            )
     if not written:
         raise DatasetError(f"{input_dir}: no train*.jsonl / test*.jsonl / *.parquet GSM8K files found")
     return written

@@ -25,7 +25,9 @@ class ResumableSampler:
     def _order(self, epoch: int) -> list[int]:
         if not self.shuffle:
             return list(range(self.num_rows))
-        return torch.randperm(self.num_rows, generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch)).tolist()
+        return torch.randperm(
+            self.num_rows, generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+        ).tolist()
 
     def next_batch(self) -> list[int]:
         """The next batch of indices, moving to the next epoch when this one is used up."""
@@ -36,10 +38,17 @@ class ResumableSampler:
         return self._order(self.epoch)[start : start + self.batch_size]
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "seed": self.seed, "num_rows": self.num_rows}
+        return {
+            "epoch": self.epoch,
+            "batch_in_epoch": self.batch_in_epoch,
+            "seed": self.seed,
+            "num_rows": self.num_rows,
+        }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state["num_rows"] != self.num_rows or state["seed"] != self.seed:
-            raise ValueError(f"the checkpoint's data position is for {state['num_rows']} rows with seed {state['seed']}, "
-                             f"this dataset has {self.num_rows} rows with seed {self.seed}: resume with the same data and data.seed")
+            raise ValueError(
+                f"the checkpoint's data position is for {state['num_rows']} rows with seed {state['seed']}, this "
+                f"dataset has {self.num_rows} rows with seed {self.seed}: resume with the same data and data.seed"
+            )
         self.epoch, self.batch_in_epoch = state["epoch"], state["batch_in_epoch"]

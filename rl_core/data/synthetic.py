@@ -19,13 +19,15 @@ def addition_rows(count: int, seed: int, max_operand: int = 20, split: str = "tr
     rows = []
     for index in range(count):
         a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
-        rows.append({
-            "data_source": DATA_SOURCE,
-            "prompt": [{"role": "user", "content": f"{a}+{b}="}],
-            "ability": "math",
-            "reward_model": {"style": "rule", "ground_truth": str(a + b)},
-            "extra_info": {"split": split, "index": index},
-        })
+        rows.append(
+            {
+                "data_source": DATA_SOURCE,
+                "prompt": [{"role": "user", "content": f"{a}+{b}="}],
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+                "extra_info": {"split": split, "index": index},
+            }
+        )
     return rows
 
 

@@ -24,8 +24,20 @@ from rl_core.device import synchronize
 
 # dense (no sparsity) bf16/fp16 tensor-core peaks, TFLOP/s, by a substring of torch.cuda.get_device_name()
 PEAK_TFLOPS = {
-    "B200": 2250.0, "H200": 989.0, "H100": 989.0, "H800": 989.0, "H20": 148.0, "A100": 312.0, "A800": 312.0,
-    "L40S": 362.0, "L40": 181.0, "L4": 121.0, "A10": 125.0, "RTX 4090": 165.0, "RTX 3090": 71.0, "V100": 125.0,
+    "B200": 2250.0,
+    "H200": 989.0,
+    "H100": 989.0,
+    "H800": 989.0,
+    "H20": 148.0,
+    "A100": 312.0,
+    "A800": 312.0,
+    "L40S": 362.0,
+    "L40": 181.0,
+    "L4": 121.0,
+    "A10": 125.0,
+    "RTX 4090": 165.0,
+    "RTX 3090": 71.0,
+    "V100": 125.0,
 }
 
 
@@ -38,7 +50,9 @@ def attention_width(module: torch.nn.Module) -> tuple[int, int]:
     """(layers, heads * head_dim) from the Hugging Face config of ``module`` (or of the model a wrapper holds)."""
     config = getattr(module, "config", None)
     if config is None or not hasattr(config, "num_hidden_layers"):
-        inner = [m for m in module.modules() if m is not module and hasattr(getattr(m, "config", None), "num_hidden_layers")]
+        inner = [
+            m for m in module.modules() if m is not module and hasattr(getattr(m, "config", None), "num_hidden_layers")
+        ]
         config = inner[0].config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return int(config.num_hidden_layers), int(config.num_attention_heads * head_dim)
@@ -70,8 +84,15 @@ def mfu(name: str, flops: float, seconds: float, device: str, dtype: torch.dtype
     return {f"perf/mfu/{name}": flops / seconds / peak}
 
 
-def update_mfu(name: str, module: torch.nn.Module, attention_mask: torch.Tensor, epochs: int, started: float, device: str,
-               dtype: torch.dtype) -> dict[str, float]:
+def update_mfu(
+    name: str,
+    module: torch.nn.Module,
+    attention_mask: torch.Tensor,
+    epochs: int,
+    started: float,
+    device: str,
+    dtype: torch.dtype,
+) -> dict[str, float]:
     """:func:`mfu` of an update of ``module`` over the batch of ``attention_mask`` for ``epochs`` epochs, begun at
     ``time.perf_counter()`` = ``started`` (waits for the GPU's queued work first)."""
     synchronize(device)

@@ -6,7 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
@@ -21,8 +26,8 @@ def local_model_path(path: str | None, setting: str = "actor_rollout_ref.model.p
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise ModelLoadError(
-            f"{setting}={path!r}: no such folder. ppoflow loads local checkpoints only; download the model first "
-            f"(e.g. `huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct --local-dir {path}`) or fix the path"
+            f"{setting}={path!r}: no such folder. ppoflow loads local checkpoints only; download the model first (e.g. "
+            f"`huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct --local-dir {path}`) or fix the path"
         )
     if not (folder / "config.json").is_file():
         raise ModelLoadError(f"{setting}={path!r} has no config.json; it is not a Hugging Face checkpoint folder")
@@ -40,8 +45,11 @@ def check_model_folder(path: str | None, setting: str, weights: bool = True, tok
     if not model_type:
         raise ModelLoadError(f"{setting}={path!r}: config.json has no model_type; it is not a transformers checkpoint")
     if weights and not any((folder / name).is_file() for name in WEIGHT_FILES):
-        raise ModelLoadError(f"{setting}={path!r} has no weights ({' or '.join(WEIGHT_FILES[::2])}); "
-                             f"the download or save did not finish")
+        raise ModelLoadError(
+            f"{setting}={path!r} has no weights ({' or '.join(WEIGHT_FILES[::2])}); the download or save did not finish"
+        )
     if tokenizer and not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        raise ModelLoadError(f"{setting}={path!r} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
-                             f"copy the tokenizer there or set actor_rollout_ref.model.tokenizer_path")
+        raise ModelLoadError(
+            f"{setting}={path!r} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); copy the tokenizer there or "
+            "set actor_rollout_ref.model.tokenizer_path"
+        )

@@ -39,7 +39,14 @@ if TYPE_CHECKING:  # the modeling code imports in seconds: only the workers need
     from transformers import PreTrainedModel
 
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 # (auto_map key, transformers auto class name) in the order they are tried; classes missing from this
 # transformers release (AutoModelForVision2Seq was folded into ImageTextToText in v5) are skipped.
 GENERATIVE_AUTO_CLASSES = (
@@ -48,7 +55,11 @@ GENERATIVE_AUTO_CLASSES = (
     ("AutoModelForImageTextToText", "AutoModelForImageTextToText"),
 )
 # attention implementations in order of preference, with the class attribute saying that an architecture has it
-ATTENTION_SUPPORT = {"flash_attention_2": ("_supports_flash_attn", "_supports_flash_attn_2"), "sdpa": ("_supports_sdpa",), "eager": ()}
+ATTENTION_SUPPORT = {
+    "flash_attention_2": ("_supports_flash_attn", "_supports_flash_attn_2"),
+    "sdpa": ("_supports_sdpa",),
+    "eager": (),
+}
 # generation_config.json fields that are not sampling settings (kept: they say which tokens end or pad a sequence)
 GENERATION_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
 # ... nor are these (what generate returns, caching, bookkeeping): dropped without a word
@@ -67,10 +78,14 @@ def import_external_lib(module_name: str | None) -> None:
     try:
         importlib.import_module(module_name)
     except ImportError as error:
-        raise ModelLoadError(f"model.external_lib={module_name!r} could not be imported ({error}); install it or fix the module name") from error
+        raise ModelLoadError(
+            f"model.external_lib={module_name!r} could not be imported ({error}); install it or fix the module name"
+        ) from error
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False, custom_chat_template: str | None = None) -> PreTrainedTokenizerBase:
+def load_tokenizer(
+    path: str, trust_remote_code: bool = False, custom_chat_template: str | None = None
+) -> PreTrainedTokenizerBase:
     """The checkpoint's tokenizer, left-padded (prompts are left-padded for generation), with a pad token."""
     folder = local_model_path(path, "model.tokenizer_path")
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
@@ -104,13 +119,24 @@ def disable_dropout(config: PretrainedConfig, keep: set[str] = frozenset()) -> d
     for sub in [config, *(v for v in vars(config).values() if isinstance(v, PretrainedConfig))]:
         for key, value in vars(sub).items():
             is_dropout = "dropout" in key or key.endswith("pdrop")
-            if is_dropout and key not in keep and isinstance(value, float) and not isinstance(value, bool) and value > 0:
+            if (
+                is_dropout
+                and key not in keep
+                and isinstance(value, float)
+                and not isinstance(value, bool)
+                and value > 0
+            ):
                 setattr(sub, key, 0.0)
                 changed[key] = value
     if changed:
         listed = ", ".join(f"{k}={v}" for k, v in changed.items())
-        warnings.warn(ModelLoadWarning(f"dropout turned off for RL ({listed} -> 0): with dropout the PPO ratio of the update's forward "
-                                       f"pass is noise; set it in model.override_config to keep it"), stacklevel=2)
+        warnings.warn(
+            ModelLoadWarning(
+                f"dropout turned off for RL ({listed} -> 0): with dropout the PPO ratio of the update's forward pass "
+                "is noise; set it in model.override_config to keep it"
+            ),
+            stacklevel=2,
+        )
     return changed
 
 
@@ -121,7 +147,7 @@ def _check_remote_code(folder: Path, trust_remote_code: bool) -> None:
     if auto_map and not trust_remote_code:
         raise ModelLoadError(
             f"{folder} ships its own model code (config.json auto_map: {sorted(auto_map)}); running it needs "
-            f"model.trust_remote_code=true — only set that for checkpoints whose code you trust"
+            "model.trust_remote_code=true — only set that for checkpoints whose code you trust"
         )
 
 
@@ -131,15 +157,20 @@ def resolve_model_class(config: PretrainedConfig, trust_remote_code: bool = Fals
     for auto_map_key, auto_class_name in GENERATIVE_AUTO_CLASSES:
         if auto_map_key in auto_map:
             if not trust_remote_code:
-                raise ModelLoadError(f"the model's {auto_map_key} is remote code ({auto_map[auto_map_key]}); set model.trust_remote_code=true to run it")
-            return transformers.dynamic_module_utils.get_class_from_dynamic_module(auto_map[auto_map_key], config.name_or_path)
+                raise ModelLoadError(
+                    f"the model's {auto_map_key} is remote code ({auto_map[auto_map_key]}); set "
+                    "model.trust_remote_code=true to run it"
+                )
+            return transformers.dynamic_module_utils.get_class_from_dynamic_module(
+                auto_map[auto_map_key], config.name_or_path
+            )
         auto_class = getattr(transformers, auto_class_name, None)
         if auto_class is not None and type(config) in auto_class._model_mapping:
             return auto_class._model_mapping[type(config)]
     raise ModelLoadError(
         f"architecture {type(config).__name__} (model_type={config.model_type!r}) is not a causal LM, Vision2Seq or "
         f"image-text-to-text model in transformers {transformers.__version__}; set model.external_lib to a module that "
-        f"registers it, or model.trust_remote_code=true if the checkpoint ships its code"
+        "registers it, or model.trust_remote_code=true if the checkpoint ships its code"
     )
 
 
@@ -152,8 +183,11 @@ def torch_dtype(name: str) -> torch.dtype:
 def load_policy_tokenizer(model_config: Any) -> PreTrainedTokenizerBase:
     """The policy's tokenizer (``tokenizer_path``, else ``path``) with ``custom_chat_template`` applied: the dataset's
     prompts and the rollout use the same template."""
-    return load_tokenizer(model_config.tokenizer_path or model_config.path, bool(model_config.trust_remote_code),
-                          model_config.custom_chat_template)
+    return load_tokenizer(
+        model_config.tokenizer_path or model_config.path,
+        bool(model_config.trust_remote_code),
+        model_config.custom_chat_template,
+    )
 
 
 def has_attention(model_class: type, implementation: str) -> bool:
@@ -162,8 +196,12 @@ def has_attention(model_class: type, implementation: str) -> bool:
     return not flags or any(getattr(model_class, flag, False) for flag in flags)
 
 
-def attention_implementation(model_class: type | None, device: str = "cpu", compute_dtype: torch.dtype = torch.float32,
-                             override_config: dict | None = None) -> str:
+def attention_implementation(
+    model_class: type | None,
+    device: str = "cpu",
+    compute_dtype: torch.dtype = torch.float32,
+    override_config: dict | None = None,
+) -> str:
     """``override_config.attn_implementation`` when set; else the first ``model_class`` has of ``flash_attention_2``
     (variable-length kernels: the padding-free forward skips padding entirely; on CUDA with half-precision compute and
     the ``flash_attn`` package installed), ``sdpa`` (PyTorch's) and ``eager``. Falling back to eager is reported. A
@@ -174,30 +212,50 @@ def attention_implementation(model_class: type | None, device: str = "cpu", comp
     if model_class is None:
         return "sdpa"
     candidates = ["sdpa", "eager"]
-    if device == "cuda" and compute_dtype in (torch.bfloat16, torch.float16) and importlib.util.find_spec("flash_attn") is not None:
+    if (
+        device == "cuda"
+        and compute_dtype in (torch.bfloat16, torch.float16)
+        and importlib.util.find_spec("flash_attn") is not None
+    ):
         candidates.insert(0, "flash_attention_2")
     candidate = next(c for c in candidates if has_attention(model_class, c))
     if candidate == "eager":
-        warnings.warn(ModelLoadWarning(f"{model_class.__name__} has no SDPA attention in transformers {transformers.__version__}: using eager "
-                                       f"attention (slower, more memory); model.override_config.attn_implementation chooses another"),
-                      stacklevel=2)
+        warnings.warn(
+            ModelLoadWarning(
+                f"{model_class.__name__} has no SDPA attention in transformers {transformers.__version__}: using eager "
+                "attention (slower, more memory); model.override_config.attn_implementation chooses another"
+            ),
+            stacklevel=2,
+        )
     return candidate
 
 
 def reset_generation_config(model: PreTrainedModel) -> dict[str, Any]:
-    """Replace the checkpoint's generation defaults by transformers' own (keeping the token ids): ``generate`` fills every
+    """Replace the checkpoint's generation defaults by transformers' own (keeping the token ids): ``generate`` fills
+    every
     setting it is not given from them. Returns the sampling settings that were dropped (also reported)."""
     loaded = model.generation_config.to_diff_dict()
-    dropped = {k: v for k, v in loaded.items() if k not in GENERATION_TOKEN_FIELDS and not k.startswith(GENERATION_NON_SAMPLING_PREFIXES)}
+    dropped = {
+        k: v
+        for k, v in loaded.items()
+        if k not in GENERATION_TOKEN_FIELDS and not k.startswith(GENERATION_NON_SAMPLING_PREFIXES)
+    }
     model.generation_config = GenerationConfig(**{k: loaded[k] for k in GENERATION_TOKEN_FIELDS if k in loaded})
     if dropped:
         listed = ", ".join(f"{k}={v}" for k, v in sorted(dropped.items()))
-        warnings.warn(ModelLoadWarning(f"the checkpoint's generation_config.json sets {listed}: not used, the rollout samples with "
-                                       f"actor_rollout_ref.rollout.* only (the policy that is trained)"), stacklevel=2)
+        warnings.warn(
+            ModelLoadWarning(
+                f"the checkpoint's generation_config.json sets {listed}: not used, the rollout samples with "
+                "actor_rollout_ref.rollout.* only (the policy that is trained)"
+            ),
+            stacklevel=2,
+        )
     return dropped
 
 
-def load_policy_model(model_config: Any, device: str = "cpu", compute_dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def load_policy_model(
+    model_config: Any, device: str = "cpu", compute_dtype: torch.dtype = torch.float32
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The actor/ref model and tokenizer described by an ``actor_rollout_ref.model`` config node (on the CPU; the
     attention kernels are chosen for the ``device`` and ``compute_dtype`` it will run in)."""
     path = model_config.path
@@ -208,13 +266,21 @@ def load_policy_model(model_config: Any, device: str = "cpu", compute_dtype: tor
     model_class = resolve_model_class(hf_config, trust_remote_code)
     attention = attention_implementation(model_class, device, compute_dtype, model_config.override_config)
     try:
-        model = model_class.from_pretrained(local_model_path(path), config=hf_config, dtype=torch_dtype(model_config.dtype),
-                                            trust_remote_code=trust_remote_code, attn_implementation=attention)
+        model = model_class.from_pretrained(
+            local_model_path(path),
+            config=hf_config,
+            dtype=torch_dtype(model_config.dtype),
+            trust_remote_code=trust_remote_code,
+            attn_implementation=attention,
+        )
     except (ValueError, ImportError) as error:
         if "attention" not in str(error) and "attn" not in str(error):
             raise
-        raise ModelLoadError(f"{model_class.__name__} cannot load with attn_implementation={attention!r} ({str(error).splitlines()[0]}); "
-                             f"set actor_rollout_ref.model.override_config.attn_implementation to one it has (eager always works)") from error
+        raise ModelLoadError(
+            f"{model_class.__name__} cannot load with attn_implementation={attention!r} "
+            f"({str(error).splitlines()[0]}); set actor_rollout_ref.model.override_config.attn_implementation to one "
+            "it has (eager always works)"
+        ) from error
     reset_generation_config(model)
     if model_config.enable_gradient_checkpointing:
         enable_gradient_checkpointing(model)
@@ -249,13 +315,19 @@ def load_warnings() -> Iterator[list[str]]:
 
 
 def padding_free_works(model: torch.nn.Module, vocab_size: int, setting: str) -> bool:
-    """Whether the padding-free forward gives ``model``'s padded results (:func:`rl_core.models.logprob.padding_free_mismatch`
+    """Whether the padding-free forward gives ``model``'s padded results
+    (:func:`rl_core.models.logprob.padding_free_mismatch`
     within float32 or half-precision noise); when not, a ModelLoadWarning says that padded batches are used instead."""
     mismatch = padding_free_mismatch(model, vocab_size)
     tolerance = 1e-3 if next(model.parameters()).dtype == torch.float32 else 0.1
     if mismatch <= tolerance:
         return True
-    warnings.warn(ModelLoadWarning(f"the padding-free forward of {type(model).__name__} disagrees with the padded one (max difference "
-                                   f"{mismatch:.3g} on a dummy batch: packed rows attend to each other with this attention "
-                                   f"implementation); using padded batches, as {setting}=false does"), stacklevel=2)
+    warnings.warn(
+        ModelLoadWarning(
+            f"the padding-free forward of {type(model).__name__} disagrees with the padded one (max difference "
+            f"{mismatch:.3g} on a dummy batch: packed rows attend to each other with this attention implementation); "
+            f"using padded batches, as {setting}=false does"
+        ),
+        stacklevel=2,
+    )
     return False

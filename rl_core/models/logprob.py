@@ -35,9 +35,12 @@ def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, chunk_size: int 
     flat_logits = logits.reshape(-1, logits.shape[-1])
     flat_labels = labels.reshape(-1)
     recompute = flat_logits.requires_grad and torch.is_grad_enabled() and flat_logits.dtype != torch.float32
-    pieces = [torch.utils.checkpoint.checkpoint(_chunk_log_probs, chunk, chunk_labels, use_reentrant=False) if recompute
-              else _chunk_log_probs(chunk, chunk_labels)
-              for chunk, chunk_labels in zip(flat_logits.split(chunk_size), flat_labels.split(chunk_size))]
+    pieces = [
+        torch.utils.checkpoint.checkpoint(_chunk_log_probs, chunk, chunk_labels, use_reentrant=False)
+        if recompute
+        else _chunk_log_probs(chunk, chunk_labels)
+        for chunk, chunk_labels in zip(flat_logits.split(chunk_size), flat_labels.split(chunk_size))
+    ]
     return torch.cat(pieces).reshape(labels.shape) if pieces else flat_logits.new_zeros(labels.shape)
 
 
@@ -65,7 +68,9 @@ def response_log_probs(
         valid = attention_mask.bool()
         packed_ids = input_ids[valid].unsqueeze(0)
         packed_positions = position_ids[valid].unsqueeze(0)
-        logits = model(input_ids=packed_ids, position_ids=packed_positions, attention_mask=None, use_cache=False).logits[0]
+        logits = model(
+            input_ids=packed_ids, position_ids=packed_positions, attention_mask=None, use_cache=False
+        ).logits[0]
         logits = logits / temperature
         # the logits at packed position i predict the token at i + 1; roll so each token gets its own log-prob
         next_token_log_probs = token_log_probs(logits, torch.roll(packed_ids[0], shifts=-1))
@@ -80,7 +85,9 @@ def response_log_probs(
         return log_probs[:, -response_length:], entropy
 
     extra = {"logits_to_keep": response_length + 1} if _accepts(model, "logits_to_keep") else {}
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **extra).logits
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **extra
+    ).logits
     logits = logits[:, -response_length - 1 : -1] / temperature
     log_probs = token_log_probs(logits, input_ids[:, -response_length:])
     entropy = entropy_from_logits(logits, entropy_chunk_size) if calculate_entropy else None
@@ -102,11 +109,18 @@ def response_values(
     """
     if remove_padding:
         valid = attention_mask.bool()
-        packed = critic(input_ids=input_ids[valid].unsqueeze(0), position_ids=position_ids[valid].unsqueeze(0), attention_mask=None, use_cache=False).logits[0, :, 0]
+        packed = critic(
+            input_ids=input_ids[valid].unsqueeze(0),
+            position_ids=position_ids[valid].unsqueeze(0),
+            attention_mask=None,
+            use_cache=False,
+        ).logits[0, :, 0]
         values = torch.zeros(input_ids.shape, dtype=packed.dtype, device=input_ids.device)
         values[valid] = packed
     else:
-        values = critic(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).logits[..., 0]
+        values = critic(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).logits[..., 0]
     return values[:, -response_length - 1 : -1]
 
 
@@ -124,9 +138,21 @@ def padding_free_mismatch(model: torch.nn.Module, vocab_size: int) -> float:
     model.eval()
     try:
         with torch.no_grad():
-            packed = model(input_ids=ids[valid].unsqueeze(0), position_ids=position_ids[valid].unsqueeze(0), attention_mask=None,
-                           use_cache=False).logits[0].float()
-            padded = model(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).logits[valid].float()
+            packed = (
+                model(
+                    input_ids=ids[valid].unsqueeze(0),
+                    position_ids=position_ids[valid].unsqueeze(0),
+                    attention_mask=None,
+                    use_cache=False,
+                )
+                .logits[0]
+                .float()
+            )
+            padded = (
+                model(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+                .logits[valid]
+                .float()
+            )
     finally:
         model.train(was_training)
     if packed.shape[-1] > 1:  # a vocabulary: compare log-probs

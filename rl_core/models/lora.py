@@ -17,7 +17,6 @@ import torch
 
 from rl_core.models.loading import ModelLoadError
 
-
 CRITIC_HEADS = ("score", "classifier", "value_head")  # the module that turns a critic's hidden states into values
 
 
@@ -32,8 +31,10 @@ def apply_lora(model: torch.nn.Module, model_config: Any, task_type: str = "CAUS
     adapter_path = model_config.lora_adapter_path
     if adapter_path:
         if not (Path(adapter_path).expanduser() / "adapter_config.json").is_file():
-            raise ModelLoadError(f"model.lora_adapter_path={adapter_path!r}: no adapter_config.json there; point it at a saved "
-                                 f"LoRA adapter folder (a checkpoint's actor/ folder of a LoRA run)")
+            raise ModelLoadError(
+                f"model.lora_adapter_path={adapter_path!r}: no adapter_config.json there; point it at a saved LoRA "
+                "adapter folder (a checkpoint's actor/ folder of a LoRA run)"
+            )
         return PeftModel.from_pretrained(model, str(Path(adapter_path).expanduser()), is_trainable=True)
     rank = int(model_config.lora_rank)
     if rank <= 0:
@@ -45,8 +46,16 @@ def apply_lora(model: torch.nn.Module, model_config: Any, task_type: str = "CAUS
     # token-classification task trains `score` / `classifier` whole; the value head ppoflow adds to bodies without a
     # token-classification class is named here.
     heads = [name for name in CRITIC_HEADS if isinstance(getattr(model, name, None), torch.nn.Module)]
-    lora_config = LoraConfig(r=rank, lora_alpha=int(model_config.lora_alpha), target_modules=target_modules, lora_dropout=0.0,
-                             bias="none", task_type=task_type, modules_to_save=heads or None, exclude_modules=heads or None)
+    lora_config = LoraConfig(
+        r=rank,
+        lora_alpha=int(model_config.lora_alpha),
+        target_modules=target_modules,
+        lora_dropout=0.0,
+        bias="none",
+        task_type=task_type,
+        modules_to_save=heads or None,
+        exclude_modules=heads or None,
+    )
     return get_peft_model(model, lora_config)
 
 

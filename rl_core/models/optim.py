@@ -16,17 +16,19 @@ from typing import Any
 import torch
 
 
-
 def build_optimizer(parameters: Iterable[torch.nn.Parameter], optim_config: Any) -> torch.optim.AdamW:
     trainable = [p for p in parameters if p.requires_grad]
     if not trainable:
         raise ValueError("the model has no trainable parameter (is everything frozen?)")
     betas = tuple(optim_config.betas)
-    return torch.optim.AdamW(trainable, lr=float(optim_config.lr), betas=betas,
-                             weight_decay=float(optim_config.weight_decay))
+    return torch.optim.AdamW(
+        trainable, lr=float(optim_config.lr), betas=betas, weight_decay=float(optim_config.weight_decay)
+    )
 
 
-def lr_multiplier(step: int, schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0, num_cycles: float = 0.5) -> float:
+def lr_multiplier(
+    step: int, schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0, num_cycles: float = 0.5
+) -> float:
     """The factor applied to the base learning rate after ``step`` scheduler steps (see module doc)."""
     if step < warmup_steps:
         return step / max(1, warmup_steps)
@@ -38,7 +40,9 @@ def lr_multiplier(step: int, schedule: str, warmup_steps: int, total_steps: int,
     raise ValueError(f"optim.lr_scheduler_type={schedule!r}; choose 'constant' or 'cosine'")
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, optim_config: Any, total_steps: int | None = None) -> torch.optim.lr_scheduler.LambdaLR:
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer, optim_config: Any, total_steps: int | None = None
+) -> torch.optim.lr_scheduler.LambdaLR:
     total = int(total_steps if total_steps is not None else optim_config.total_training_steps)
     warmup = int(optim_config.lr_warmup_steps)
     if warmup < 0:
@@ -49,4 +53,6 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, optim_config: Any, tota
     lr_multiplier(warmup, schedule, warmup, total)  # validates the schedule name now, not at the first step
     min_lr_ratio = float(optim_config.min_lr_ratio)
     num_cycles = float(optim_config.num_cycles)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, schedule, warmup, total, min_lr_ratio, num_cycles))
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_multiplier(step, schedule, warmup, total, min_lr_ratio, num_cycles)
+    )

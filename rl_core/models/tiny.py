@@ -21,33 +21,45 @@ from rl_core.models.families import FAMILIES
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 # Qwen's chat format, so that prompts look like a real instruct model's
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + "
+    "'\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 ENGLISH = (
-    "You are a helpful assistant. The user asks a question and the assistant answers it. "
-    "What is the answer? Let's think step by step and output the final answer after ####."
+    "You are a helpful assistant. The user asks a question and the assistant answers it. What is the answer? Let's "
+    "think step by step and output the final answer after ####."
 )
 
 
 def build_tokenizer(texts: Iterable[str], vocab_size: int = 320) -> PreTrainedTokenizerFast:
     """A byte-level BPE trained on ``texts`` (digits always split one by one), wrapped for transformers."""
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[PAD, IM_START, IM_END],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[PAD, IM_START, IM_END],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(list(texts), trainer=trainer)
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token=PAD, eos_token=IM_END, padding_side="left")
     wrapped.chat_template = CHAT_TEMPLATE
     return wrapped
 
 
-def make_tiny_model(out_dir: str | Path, seed: int = 0, hidden_size: int = 64, num_layers: int = 2, max_operand: int = 20,
-                    family: str = "qwen2", **shape: int) -> Path:
-    """Write a randomly initialised causal LM of ``family`` (see FAMILIES) + tokenizer to ``out_dir``; returns the folder.
+def make_tiny_model(
+    out_dir: str | Path,
+    seed: int = 0,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    max_operand: int = 20,
+    family: str = "qwen2",
+    **shape: int,
+) -> Path:
+    """Write a randomly initialised causal LM of ``family`` (see FAMILIES) + tokenizer to ``out_dir``; returns the
+    folder.
     Tiny by default; ``shape`` overrides other config sizes (``num_attention_heads``, ``intermediate_size``,
     ``vocab_size``: a vocabulary larger than the tokenizer's gives a real model's output-layer cost; ids past the
     tokenizer decode to "")."""
@@ -55,13 +67,31 @@ def make_tiny_model(out_dir: str | Path, seed: int = 0, hidden_size: int = 64, n
         raise ValueError(f"family={family!r}: choose one of {', '.join(FAMILIES)}")
     model_type, family_settings = FAMILIES[family]
     out = Path(out_dir)
-    texts = [f"{IM_START}user\n{problem.split('=')[0]}={IM_END}\n{IM_START}assistant\n{problem.split('=')[1]}{IM_END}" for problem in corpus(max_operand)]
+    texts = [
+        f"{IM_START}user\n{problem.split('=')[0]}={IM_END}\n{IM_START}assistant\n{problem.split('=')[1]}{IM_END}"
+        for problem in corpus(max_operand)
+    ]
     tokenizer = build_tokenizer(texts + [ENGLISH])
-    sizes = {"vocab_size": len(tokenizer), "intermediate_size": 4 * hidden_size, "num_attention_heads": 4, "num_key_value_heads": 2,
-             "max_position_embeddings": 2048, **family_settings, **shape}
+    sizes = {
+        "vocab_size": len(tokenizer),
+        "intermediate_size": 4 * hidden_size,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 2048,
+        **family_settings,
+        **shape,
+    }
     sizes.setdefault("head_dim", hidden_size // sizes["num_attention_heads"])
-    config = AutoConfig.for_model(model_type, hidden_size=hidden_size, num_hidden_layers=num_layers, tie_word_embeddings=True,
-                                  bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **sizes)
+    config = AutoConfig.for_model(
+        model_type,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **sizes,
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id

@@ -16,8 +16,15 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModel, AutoModelForTokenClassification, PreTrainedTokenizerBase
 
-from rl_core.models.loading import (attention_implementation, enable_gradient_checkpointing, import_external_lib, load_hf_config,
-                                    load_tokenizer, local_model_path, torch_dtype)
+from rl_core.models.loading import (
+    attention_implementation,
+    enable_gradient_checkpointing,
+    import_external_lib,
+    load_hf_config,
+    load_tokenizer,
+    local_model_path,
+    torch_dtype,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -37,20 +44,29 @@ class ValueHeadModel(torch.nn.Module):
         torch.nn.init.normal_(self.value_head.weight, std=1.0 / (body.config.hidden_size + 1))
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kwargs: Any) -> SimpleNamespace:
-        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs).last_hidden_state
+        hidden = self.body(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
+        ).last_hidden_state
         return SimpleNamespace(logits=self.value_head(hidden))
 
-    def save_pretrained(self, folder: str | Path, state_dict: dict[str, torch.Tensor] | None = None, **kwargs: Any) -> None:
+    def save_pretrained(
+        self, folder: str | Path, state_dict: dict[str, torch.Tensor] | None = None, **kwargs: Any
+    ) -> None:
         """The body as a HF checkpoint and the head as value_head.safetensors (from ``state_dict`` when given)."""
         state = state_dict if state_dict is not None else self.state_dict()
-        body = {k[len("body."):]: v for k, v in state.items() if k.startswith("body.")}
+        body = {k[len("body.") :]: v for k, v in state.items() if k.startswith("body.")}
         self.body.save_pretrained(folder, state_dict=body, **kwargs)
-        head = {k[len("value_head."):]: v.detach().cpu().contiguous() for k, v in state.items() if k.startswith("value_head.")}
+        head = {
+            k[len("value_head.") :]: v.detach().cpu().contiguous()
+            for k, v in state.items()
+            if k.startswith("value_head.")
+        }
         save_file(head, str(Path(folder) / VALUE_HEAD_FILE))
 
 
-
-def load_critic_model(model_config: Any, device: str = "cpu", compute_dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
+def load_critic_model(
+    model_config: Any, device: str = "cpu", compute_dtype: torch.dtype = torch.float32
+) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
     """The critic described by a ``critic.model`` config node (token classification, else body + value head); on the
     CPU, with attention kernels for the ``device`` and ``compute_dtype`` it will run in."""
     path = model_config.path
@@ -61,11 +77,16 @@ def load_critic_model(model_config: Any, device: str = "cpu", compute_dtype: tor
     hf_config.num_labels = 1
     dtype = torch_dtype(model_config.dtype)
     folder = local_model_path(path, "critic.model.path")
-    token_classification = type(hf_config) in AutoModelForTokenClassification._model_mapping and not (folder / VALUE_HEAD_FILE).exists()
+    token_classification = (
+        type(hf_config) in AutoModelForTokenClassification._model_mapping and not (folder / VALUE_HEAD_FILE).exists()
+    )
     auto_class = AutoModelForTokenClassification if token_classification else AutoModel
-    known_class = auto_class._model_mapping[type(hf_config)] if type(hf_config) in auto_class._model_mapping else None  # None: remote code
+    mapping = auto_class._model_mapping  # lazy: .get() would skip the loading its [] does
+    known_class = mapping[type(hf_config)] if type(hf_config) in mapping else None  # noqa: SIM401 (None: remote code)
     attention = attention_implementation(known_class, device, compute_dtype, model_config.override_config)
-    body = auto_class.from_pretrained(folder, config=hf_config, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation=attention)
+    body = auto_class.from_pretrained(
+        folder, config=hf_config, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation=attention
+    )
     if token_classification:
         model: torch.nn.Module = body
     else:

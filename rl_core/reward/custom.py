@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import Any
 
 
-def load_custom_reward_function(path: str | None, name: str = "compute_score", reward_kwargs: dict[str, Any] | None = None) -> Callable | None:
+def load_custom_reward_function(
+    path: str | None, name: str = "compute_score", reward_kwargs: dict[str, Any] | None = None
+) -> Callable | None:
     """The function ``name`` of the Python file ``path`` with ``reward_kwargs`` bound (None when no path is set)."""
     if not path:
         return None
@@ -24,7 +26,9 @@ def load_custom_reward_function(path: str | None, name: str = "compute_score", r
     try:
         spec.loader.exec_module(module)
     except Exception as error:
-        raise RuntimeError(f"custom_reward_function.path={path!r} failed to import: {type(error).__name__}: {error}") from error
+        raise RuntimeError(
+            f"custom_reward_function.path={path!r} failed to import: {type(error).__name__}: {error}"
+        ) from error
     function = getattr(module, name, None)
     if not callable(function):
         available = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))

@@ -10,7 +10,8 @@ A scorer that raises or returns a non-number fails the step with a message namin
 data_source (``on_error=raise``), or scores that sample 0 and counts it in ``reward/score_failures``
 (``on_error=zero``). A batch's scoring that takes longer than ``reward.timeout_s`` fails the step naming the sample it
 was on: it runs in a thread of its own, which is abandoned (a daemon: it ends with the process; a thread cannot be
-killed, so a long-lived process — a served deployment — keeps a hung one until it restarts). DAPO's overlong penalty (``overlong_buffer``) subtracts up to ``penalty_factor`` linearly
+killed, so a long-lived process — a served deployment — keeps a hung one until it restarts). DAPO's overlong penalty
+(``overlong_buffer``) subtracts up to ``penalty_factor`` linearly
 over the last ``len`` tokens before ``max_response_length``, a reward model's scores included (verl's reward
 managers return a reward model's scores untouched).
 """
@@ -66,7 +67,9 @@ class RewardManager:
     """Scores responses (see the module doc). ``reward_config`` / ``data_config`` are the ``reward`` and ``data``
     config nodes; None takes rl_core.config's defaults."""
 
-    def __init__(self, tokenizer: Any, compute_score: Callable | None = None, reward_config: Any = None, data_config: Any = None):
+    def __init__(
+        self, tokenizer: Any, compute_score: Callable | None = None, reward_config: Any = None, data_config: Any = None
+    ):
         reward_config = reward_config if reward_config is not None else RewardConfig()
         data_config = data_config if data_config is not None else DataConfig()
         if reward_config.reward_manager not in ("naive", "batch"):
@@ -76,9 +79,17 @@ class RewardManager:
         if reward_config.reward_manager == "batch" and compute_score is None:
             raise ValueError("reward.reward_manager=batch needs custom_reward_function.path (a function taking lists)")
         self.tokenizer = tokenizer
-        self.compute_score = compute_score or functools.partial(default_compute_score, lenient=bool(reward_config.lenient_answers))
-        self.score_name = getattr(compute_score, "__name__", "compute_score") if compute_score else "default_compute_score"
-        self.mode, self.reward_fn_key, self.on_error = reward_config.reward_manager, data_config.reward_fn_key, reward_config.on_error
+        self.compute_score = compute_score or functools.partial(
+            default_compute_score, lenient=bool(reward_config.lenient_answers)
+        )
+        self.score_name = (
+            getattr(compute_score, "__name__", "compute_score") if compute_score else "default_compute_score"
+        )
+        self.mode, self.reward_fn_key, self.on_error = (
+            reward_config.reward_manager,
+            data_config.reward_fn_key,
+            reward_config.on_error,
+        )
         self.timeout_s = reward_config.timeout_s
         overlong = reward_config.overlong_buffer
         self.overlong_enabled = bool(overlong.enable)
@@ -86,7 +97,10 @@ class RewardManager:
         self.overlong_penalty = float(overlong.penalty_factor)
         self.max_response_length = int(data_config.max_response_length)
         if self.overlong_enabled and not 0 < self.overlong_len < self.max_response_length:
-            raise ValueError(f"reward.overlong_buffer.len={self.overlong_len} must be in (0, data.max_response_length={self.max_response_length})")
+            raise ValueError(
+                f"reward.overlong_buffer.len={self.overlong_len} must be in (0, "
+                f"data.max_response_length={self.max_response_length})"
+            )
 
     def __call__(self, batch: Batch, rm_scores: torch.Tensor | None = None) -> RewardResult:
         """Score ``batch``'s responses: the reward model's ``rm_scores`` (B, R) when given, else the scoring function;
@@ -97,9 +111,13 @@ class RewardManager:
             scores_t, extra_info, failures = rm_scores.float().sum(-1), {}, 0
         else:
             responses = batch.tensors[RESPONSES]
-            solutions = [self.tokenizer.decode(responses[i, : lengths[i]], skip_special_tokens=True) for i in range(len(batch))]
+            solutions = [
+                self.tokenizer.decode(responses[i, : lengths[i]], skip_special_tokens=True) for i in range(len(batch))
+            ]
             sources = [str(s) for s in batch.non_tensors[self.reward_fn_key]]
-            truths = [rm.get("ground_truth") if isinstance(rm, dict) else None for rm in batch.non_tensors[REWARD_MODEL]]
+            truths = [
+                rm.get("ground_truth") if isinstance(rm, dict) else None for rm in batch.non_tensors[REWARD_MODEL]
+            ]
             extras = list(batch.non_tensors[EXTRA_INFO]) if EXTRA_INFO in batch.non_tensors else [{}] * len(batch)
             scores, extra_info, failures = self._score_in_time(sources, solutions, truths, extras)
             scores_t = torch.tensor(scores, dtype=torch.float32)
@@ -116,7 +134,9 @@ class RewardManager:
         token_level_scores[rows, (lengths - 1).clamp(min=0)] = scores_t * (lengths > 0).float()
         return RewardResult(token_level_scores, extra_info, metrics)
 
-    def _score_in_time(self, sources: list[str], solutions: list[str], truths: list, extras: list) -> tuple[list[float], dict[str, list], int]:
+    def _score_in_time(
+        self, sources: list[str], solutions: list[str], truths: list, extras: list
+    ) -> tuple[list[float], dict[str, list], int]:
         """:meth:`_score` within ``timeout_s`` (in a daemon thread that is abandoned when it takes longer)."""
         if self.timeout_s is None:
             return self._score(sources, solutions, truths, extras)
@@ -133,22 +153,35 @@ class RewardManager:
         thread.start()
         thread.join(self.timeout_s)
         if thread.is_alive():
-            where = (f"the batch of {len(sources)}" if self.mode == "batch" else
-                     f"sample {progress['sample']} of {len(sources)}, data_source={sources[progress['sample']]!r}")
-            raise RewardTimeoutError(f"reward function {self.score_name!r} did not return within reward.timeout_s={self.timeout_s:g}s "
-                                     f"(on {where}): it hangs or is too slow; fix it, or raise reward.timeout_s (null: no limit)")
+            where = (
+                f"the batch of {len(sources)}"
+                if self.mode == "batch"
+                else f"sample {progress['sample']} of {len(sources)}, data_source={sources[progress['sample']]!r}"
+            )
+            raise RewardTimeoutError(
+                f"reward function {self.score_name!r} did not return within reward.timeout_s={self.timeout_s:g}s (on "
+                f"{where}): it hangs or is too slow; fix it, or raise reward.timeout_s (null: no limit)"
+            )
         if "error" in outcome:
             raise outcome["error"]
         return outcome["result"]
 
-    def _score(self, sources: list[str], solutions: list[str], truths: list, extras: list,
-               progress: dict[str, Any] | None = None) -> tuple[list[float], dict[str, list], int]:
+    def _score(
+        self,
+        sources: list[str],
+        solutions: list[str],
+        truths: list,
+        extras: list,
+        progress: dict[str, Any] | None = None,
+    ) -> tuple[list[float], dict[str, list], int]:
         """Score each sample (``progress["sample"]`` says which one is being scored)."""
         progress = progress if progress is not None else {}
         n = len(sources)
         if self.mode == "batch":
             try:
-                results = self.compute_score(data_sources=sources, solution_strs=solutions, ground_truths=truths, extra_infos=extras)
+                results = self.compute_score(
+                    data_sources=sources, solution_strs=solutions, ground_truths=truths, extra_infos=extras
+                )
                 if len(results) != n:
                     raise ValueError(f"returned {len(results)} scores for {n} samples")
             except Exception as error:
@@ -157,14 +190,20 @@ class RewardManager:
         for i in range(n):
             progress["sample"] = i
             try:
-                result = results[i] if self.mode == "batch" else self.compute_score(
-                    data_source=sources[i], solution_str=solutions[i], ground_truth=truths[i], extra_info=extras[i])
+                result = (
+                    results[i]
+                    if self.mode == "batch"
+                    else self.compute_score(
+                        data_source=sources[i], solution_str=solutions[i], ground_truth=truths[i], extra_info=extras[i]
+                    )
+                )
                 score, extra = _as_score(result)
             except Exception as error:
                 if self.on_error == "raise":
                     raise RewardScoringError(
                         f"reward function {self.score_name!r} failed on sample {i} (data_source={sources[i]!r}): "
-                        f"{type(error).__name__}: {error}. Fix the scorer, or set reward.on_error=zero to score such samples 0"
+                        f"{type(error).__name__}: {error}. Fix the scorer, or set reward.on_error=zero to score such "
+                        "samples 0"
                     ) from error
                 score, extra, failures = 0.0, {}, failures + 1
             scores.append(score)
@@ -174,8 +213,10 @@ class RewardManager:
 
     def _fail_all(self, error: Exception, n: int) -> tuple[list[float], dict[str, list], int]:
         if self.on_error == "raise":
-            raise RewardScoringError(f"batch reward function {self.score_name!r} failed on a batch of {n}: {type(error).__name__}: {error}. "
-                                     f"Fix the scorer, or set reward.on_error=zero to score such batches 0") from error
+            raise RewardScoringError(
+                f"batch reward function {self.score_name!r} failed on a batch of {n}: {type(error).__name__}: {error}. "
+                "Fix the scorer, or set reward.on_error=zero to score such batches 0"
+            ) from error
         return [0.0] * n, {}, n
 
 

@@ -42,9 +42,9 @@ def last_boxed(text: str, allow_space_form: bool = True, allow_fbox: bool = True
 def boxed_content(boxed: str) -> str:
     """``\\boxed{x}`` or ``\\boxed x`` -> ``x``; ValueError for anything else (``\\fbox{..}`` included, as in verl)."""
     if boxed.startswith("\\boxed "):
-        return boxed[len("\\boxed "):]
+        return boxed[len("\\boxed ") :]
     if boxed.startswith("\\boxed{") and boxed.endswith("}"):
-        return boxed[len("\\boxed{"):-1]
+        return boxed[len("\\boxed{") : -1]
     raise ValueError(f"not a boxed answer: {boxed[:40]!r}")
 
 
@@ -81,7 +81,9 @@ def _slash_fraction(text: str) -> str:
 def _braced_roots(text: str) -> str:
     """``\\sqrt3`` -> ``\\sqrt{3}``."""
     head, *tails = text.split("\\sqrt")
-    return head + "".join("\\sqrt" + (tail if tail.startswith("{") else "{" + tail[0] + "}" + tail[1:]) for tail in tails)
+    return head + "".join(
+        "\\sqrt" + (tail if tail.startswith("{") else "{" + tail[0] + "}" + tail[1:]) for tail in tails
+    )
 
 
 def normalize_math_answer(text: str) -> str:
@@ -89,8 +91,18 @@ def normalize_math_answer(text: str) -> str:
     ``\\$``, a trailing unit in ``\\text{ ...}``, percent signs; ``\\\\`` -> ``\\``, t/dfrac -> frac; a leading
     ``.`` gets a 0; a short ``k = `` prefix goes; roots and fractions get braces; spaces go; ``0.5`` -> 1/2; ``a/b``
     -> frac. Raises ValueError where MATH's rules fail (two ``\\text{ `` units)."""
-    for old, new in (("\n", ""), ("\\!", ""), ("\\\\", "\\"), ("tfrac", "frac"), ("dfrac", "frac"), ("\\left", ""), ("\\right", ""),
-                     ("^{\\circ}", ""), ("^\\circ", ""), ("\\$", "")):
+    for old, new in (
+        ("\n", ""),
+        ("\\!", ""),
+        ("\\\\", "\\"),
+        ("tfrac", "frac"),
+        ("dfrac", "frac"),
+        ("\\left", ""),
+        ("\\right", ""),
+        ("^{\\circ}", ""),
+        ("^\\circ", ""),
+        ("\\$", ""),
+    ):
         text = text.replace(old, new)
     if "\\text{ " in text:
         pieces = text.split("\\text{ ")
@@ -132,12 +144,61 @@ def hendrycks_math_score(solution_str: str, ground_truth: str) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- Minerva / DAPO rules
-MINERVA_SUBSTITUTIONS = (("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""), ("mbox", "text"),
-                         (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"))
-MINERVA_REMOVED = ("square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots", "sue", "points",
-                   "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters", "meals", "edges", "students",
-                   "childrentickets", "multiples", "\\text{s}", "\\text{.}", "\\text{\ns}", "\\text{}^2", "\\text{}^3", "\\text{\n}",
-                   "\\text{}", "\\mathrm{th}", "^\\circ", "^{\\circ}", "\\;", ",\\!", "{,}", '"', "\\dots")
+MINERVA_SUBSTITUTIONS = (
+    ("an ", ""),
+    ("a ", ""),
+    (".$", "$"),
+    ("\\$", ""),
+    ("\\ ", ""),
+    (" ", ""),
+    ("mbox", "text"),
+    (",\\text{and}", ","),
+    ("\\text{and}", ","),
+    ("\\text{m}", "\\text{}"),
+)
+MINERVA_REMOVED = (
+    "square",
+    "ways",
+    "integers",
+    "dollars",
+    "mph",
+    "inches",
+    "hours",
+    "km",
+    "units",
+    "\\ldots",
+    "sue",
+    "points",
+    "feet",
+    "minutes",
+    "digits",
+    "cents",
+    "degrees",
+    "cm",
+    "gm",
+    "pounds",
+    "meters",
+    "meals",
+    "edges",
+    "students",
+    "childrentickets",
+    "multiples",
+    "\\text{s}",
+    "\\text{.}",
+    "\\text{\ns}",
+    "\\text{}^2",
+    "\\text{}^3",
+    "\\text{\n}",
+    "\\text{}",
+    "\\mathrm{th}",
+    "^\\circ",
+    "^{\\circ}",
+    "\\;",
+    ",\\!",
+    "{,}",
+    '"',
+    "\\dots",
+)
 MINERVA_ANSWER = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
 
 

@@ -53,17 +53,24 @@ def addition_score(solution_str: str, ground_truth: str) -> float:
     return 1.0 if match is not None and match.group(0) == str(ground_truth) else 0.0
 
 
-def default_compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None,
-                          lenient: bool = False) -> float | dict:
+def default_compute_score(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None, lenient: bool = False
+) -> float | dict:
     """Score one response with the rule scorer for ``data_source`` (see the module doc)."""
     if data_source == gsm8k.DATA_SOURCE:
         return gsm8k_score(solution_str, ground_truth, lenient)
     if data_source in HENDRYCKS_MATH_SOURCES:
-        return lenient_math_score(solution_str, ground_truth) if lenient else hendrycks_math_score(solution_str, ground_truth)
+        return (
+            lenient_math_score(solution_str, ground_truth)
+            if lenient
+            else hendrycks_math_score(solution_str, ground_truth)
+        )
     if data_source in DAPO_MATH_SOURCES or data_source.startswith("aime"):
         return dapo_math_score(solution_str, ground_truth)
     if data_source == synthetic.DATA_SOURCE:
         return addition_score(solution_str, ground_truth)
     known = [gsm8k.DATA_SOURCE, *HENDRYCKS_MATH_SOURCES, *DAPO_MATH_SOURCES, "aime*", synthetic.DATA_SOURCE]
-    raise ValueError(f"no rule scorer for data_source={data_source!r} (built in: {known}); set custom_reward_function.path "
-                     f"to a file defining compute_score(data_source, solution_str, ground_truth, extra_info)")
+    raise ValueError(
+        f"no rule scorer for data_source={data_source!r} (built in: {known}); set custom_reward_function.path to a "
+        "file defining compute_score(data_source, solution_str, ground_truth, extra_info)"
+    )

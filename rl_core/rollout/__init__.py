@@ -1,7 +1,9 @@
 """Rollout engines: prompts in, responses (+ masks, positions, optional log-probs) out. See :mod:`.base`."""
 
+from rl_core.rollout import (
+    hf_engine,  # noqa: F401  (registers "hf")
+    vllm,  # noqa: F401  (registers "vllm"; vLLM itself is imported only when it is built)
+)
 from rl_core.rollout.base import ROLLOUT_ENGINES, RolloutEngine, build_rollout_engine, register_rollout_engine
-from rl_core.rollout import hf_engine  # noqa: F401  (registers "hf")
-from rl_core.rollout import vllm  # noqa: F401  (registers "vllm"; vLLM itself is imported only when it is built)
 
 __all__ = ["ROLLOUT_ENGINES", "RolloutEngine", "build_rollout_engine", "register_rollout_engine"]

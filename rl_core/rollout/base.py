@@ -25,8 +25,18 @@ from typing import Any, Protocol
 import torch
 
 from rl_core.batch import Batch
-from rl_core.batch_fields import (ATTENTION_MASK, GLOBAL_STEP, GREEDY, INPUT_IDS, POSITION_IDS, PROMPTS, RESPONSE_MASK, RESPONSES,
-                                  VAL_KWARGS, VALIDATE)
+from rl_core.batch_fields import (
+    ATTENTION_MASK,
+    GLOBAL_STEP,
+    GREEDY,
+    INPUT_IDS,
+    POSITION_IDS,
+    PROMPTS,
+    RESPONSE_MASK,
+    RESPONSES,
+    VAL_KWARGS,
+    VALIDATE,
+)
 
 
 class RolloutEngine(Protocol):
@@ -46,7 +56,9 @@ def register_rollout_engine(name: str) -> Callable:
 
 def build_rollout_engine(name: str, **kwargs: Any) -> RolloutEngine:
     if name not in ROLLOUT_ENGINES:
-        raise ValueError(f"actor_rollout_ref.rollout.name={name!r} is not available; available: {sorted(ROLLOUT_ENGINES)}")
+        raise ValueError(
+            f"actor_rollout_ref.rollout.name={name!r} is not available; available: {sorted(ROLLOUT_ENGINES)}"
+        )
     return ROLLOUT_ENGINES[name](**kwargs)
 
 
@@ -87,7 +99,9 @@ def sampling_params(rollout_config: Any, meta_info: dict[str, Any]) -> SamplingP
 
 def data_parallel_rank() -> int:
     """This worker's rank in its group (0 without a process group)."""
-    return torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
+    return (
+        torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
+    )
 
 
 def sampling_seed(rollout_config: Any, meta_info: dict[str, Any], rank: int, part: int) -> int:
@@ -105,7 +119,9 @@ def response_mask_until_stop(responses: torch.Tensor, stop_token_ids: list[int])
     return (stops_before == 0).long()
 
 
-def assemble_sequences(prompts: Batch, responses: torch.Tensor, response_mask: torch.Tensor, pad_token_id: int) -> Batch:
+def assemble_sequences(
+    prompts: Batch, responses: torch.Tensor, response_mask: torch.Tensor, pad_token_id: int
+) -> Batch:
     """The sequence batch of the module doc from prompts and their sampled responses (one per row)."""
     prompt_ids = prompts.tensors[INPUT_IDS]
     responses = torch.where(response_mask.bool(), responses, torch.full_like(responses, pad_token_id))

@@ -23,12 +23,26 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from rl_core.batch import Batch
 from rl_core.batch_fields import ATTENTION_MASK, INPUT_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, TEMPERATURE
-from rl_core.rollout.base import (SamplingParams, assemble_sequences, data_parallel_rank, register_rollout_engine, response_mask_until_stop,
-                                  sampling_params, sampling_seed, stop_token_ids)
+from rl_core.rollout.base import (
+    SamplingParams,
+    assemble_sequences,
+    data_parallel_rank,
+    register_rollout_engine,
+    response_mask_until_stop,
+    sampling_params,
+    sampling_seed,
+    stop_token_ids,
+)
 
 
 def sampling_processors(params: SamplingParams) -> list[LogitsProcessor]:
@@ -65,7 +79,11 @@ class SampledTokenLogProbs(LogitsProcessor):
         length = responses.shape[1]
         if self.previous is not None and len(self.picked) < length:
             self.picked.append(self.previous.gather(-1, responses[:, -1:]).squeeze(-1))
-        return torch.stack(self.picked[:length], dim=1) if length else responses.new_zeros(responses.shape, dtype=torch.float32)
+        return (
+            torch.stack(self.picked[:length], dim=1)
+            if length
+            else responses.new_zeros(responses.shape, dtype=torch.float32)
+        )
 
 
 class HFRolloutEngine:
@@ -87,21 +105,29 @@ class HFRolloutEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            pieces = [self._generate_chunk(chunk, params, sampling_seed(self.config, prompts.meta_info, rank, i))
-                      for i, chunk in enumerate(prompts.split(self.chunk_size))]
+            pieces = [
+                self._generate_chunk(chunk, params, sampling_seed(self.config, prompts.meta_info, rank, i))
+                for i, chunk in enumerate(prompts.split(self.chunk_size))
+            ]
         finally:
             self.model.train(was_training)
             if self.config.free_cache_engine and torch.cuda.is_available():
                 torch.cuda.empty_cache()
         responses = torch.cat([p[0] for p in pieces])
-        out = assemble_sequences(prompts, responses, response_mask_until_stop(responses, self.stop_token_ids), self.pad_token_id)
+        out = assemble_sequences(
+            prompts, responses, response_mask_until_stop(responses, self.stop_token_ids), self.pad_token_id
+        )
         if pieces[0][1] is not None:
             log_probs = torch.cat([p[1] for p in pieces])
-            out.tensors[ROLLOUT_LOG_PROBS] = torch.where(out.tensors[RESPONSE_MASK].bool(), log_probs, torch.zeros_like(log_probs))
+            out.tensors[ROLLOUT_LOG_PROBS] = torch.where(
+                out.tensors[RESPONSE_MASK].bool(), log_probs, torch.zeros_like(log_probs)
+            )
         out.meta_info[TEMPERATURE] = params.temperature
         return out
 
-    def _generate_chunk(self, chunk: Batch, params: SamplingParams, seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _generate_chunk(
+        self, chunk: Batch, params: SamplingParams, seed: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_ids = chunk.tensors[INPUT_IDS]
         recorder = SampledTokenLogProbs() if self.config.calculate_log_probs else None
         device = next(self.model.parameters()).device
@@ -125,7 +151,7 @@ class HFRolloutEngine:
                 disable_compile=bool(self.config.enforce_eager),
                 logits_processor=LogitsProcessorList(sampling_processors(params) + ([recorder] if recorder else [])),
             )
-        responses = sequences[:, input_ids.shape[1]:]
+        responses = sequences[:, input_ids.shape[1] :]
         pad = self.response_length - responses.shape[1]
         log_probs = None
         if recorder is not None:

@@ -32,21 +32,31 @@ from rl_core.algos.config_access import config_get
 from rl_core.algos.kl import kl_penalty
 from rl_core.algos.policy_loss import get_policy_loss_fn
 from rl_core.batch import Batch
-from rl_core.batch_fields import (ADVANTAGES, ATTENTION_MASK, ENTROPYS, INPUT_IDS, OLD_LOG_PROBS, POSITION_IDS, REF_LOG_PROB,
-                                  RESPONSE_MASK, RESPONSES, TEMPERATURE)
+from rl_core.batch_fields import (
+    ADVANTAGES,
+    ATTENTION_MASK,
+    ENTROPYS,
+    INPUT_IDS,
+    OLD_LOG_PROBS,
+    POSITION_IDS,
+    REF_LOG_PROB,
+    RESPONSE_MASK,
+    RESPONSES,
+    TEMPERATURE,
+)
 from rl_core.checkpoint import rng_state, set_rng_state
 from rl_core.device import autocast, compute_dtype, cuda_memory_metrics, on_worker_device
-from rl_core.models.loading import ModelLoadWarning, load_policy_model, load_warnings, padding_free_works
 from rl_core.models.flops import update_mfu
+from rl_core.models.loading import ModelLoadWarning, load_policy_model, load_warnings, padding_free_works
 from rl_core.models.logprob import response_log_probs
 from rl_core.models.lora import adapter_disabled, apply_lora, uses_lora
 from rl_core.models.optim import build_lr_scheduler, build_optimizer
 from rl_core.rollout import build_rollout_engine
+from rl_core.workers.data_parallel import global_sum
 from rl_core.workers.dispatch import DP_COMPUTE, ONE_TO_ALL, dispatch
 from rl_core.workers.fsdp import full_parameters, optimizer_state_on_device, shard_module
-from rl_core.workers.trainable_state import load_model_weights, load_trainable, save_trainable
-from rl_core.workers.data_parallel import global_sum
 from rl_core.workers.train_loop import local_mini_batch_size, run_updates
+from rl_core.workers.trainable_state import load_model_weights, load_trainable, save_trainable
 
 ROLES = ("actor", "rollout", "ref")
 
@@ -79,8 +89,14 @@ def reads_global_batch_info(loss_fn: Callable, actor_config: Any) -> bool:
     config = LossConfig(actor_config, {"dp_size": 1, "batch_num_tokens": 6.0, "global_batch_size": 2.0})
     zeros = torch.zeros(2, 3)
     try:
-        loss_fn(old_log_prob=zeros, log_prob=zeros - 0.1, advantages=torch.ones(2, 3), response_mask=torch.ones(2, 3),
-                loss_agg_mode=config_get(actor_config, "loss_agg_mode", "token-mean"), config=config)
+        loss_fn(
+            old_log_prob=zeros,
+            log_prob=zeros - 0.1,
+            advantages=torch.ones(2, 3),
+            response_mask=torch.ones(2, 3),
+            loss_agg_mode=config_get(actor_config, "loss_agg_mode", "token-mean"),
+            config=config,
+        )
     except Exception:
         return True
     return config.read_global_batch_info
@@ -101,7 +117,7 @@ class ActorRolloutRefWorker:
         self.remove_padding = bool(config.model.use_remove_padding)  # off when the model fails the check at load
         self.module: torch.nn.Module | None = None
         self.ref_module: torch.nn.Module | None = None
-        self.steps_trained = 0    # updates done
+        self.steps_trained = 0  # updates done
         self.updates_started = 0  # updates begun: more than steps_trained while (or after a failure in) an update
 
     # ------------------------------------------------------------------ set-up
@@ -115,9 +131,12 @@ class ActorRolloutRefWorker:
         with load_warnings() as notes:
             if self.is_actor or self.is_rollout:
                 model, self.tokenizer = load_policy_model(self.model_config, self.device, self.compute_dtype)
-                self.remove_padding = self.remove_padding and padding_free_works(model.to(self.device), len(self.tokenizer),
-                                                                                 "actor_rollout_ref.model.use_remove_padding")
-                self.module = shard_module(apply_lora(model, self.model_config).to(self.device), fsdp_config, self.compute_dtype)
+                self.remove_padding = self.remove_padding and padding_free_works(
+                    model.to(self.device), len(self.tokenizer), "actor_rollout_ref.model.use_remove_padding"
+                )
+                self.module = shard_module(
+                    apply_lora(model, self.model_config).to(self.device), fsdp_config, self.compute_dtype
+                )
             if self.is_actor:
                 optim_config = self.actor_config.optim
                 self.optimizer = build_optimizer(self.module.parameters(), optim_config)
@@ -125,21 +144,34 @@ class ActorRolloutRefWorker:
                 loss_mode = self.actor_config.policy_loss.loss_mode
                 self.loss_is_global = reads_global_batch_info(get_policy_loss_fn(loss_mode), self.actor_config)
                 if not self.loss_is_global:
-                    warnings.warn(ModelLoadWarning(
-                        f"policy loss {loss_mode!r} does not read config.global_batch_info: its value is taken as a micro-batch mean and "
-                        f"scaled by the micro-batch's share of the mini-batch (verl's legacy path); aggregate with agg_loss(..., "
-                        f"**config.global_batch_info) for the exact mini-batch loss whatever the micro-batch size"))
+                    warnings.warn(
+                        ModelLoadWarning(
+                            f"policy loss {loss_mode!r} does not read config.global_batch_info: its value is taken as "
+                            "a micro-batch mean and scaled by the micro-batch's share of the mini-batch (verl's legacy "
+                            "path); aggregate with agg_loss(..., **config.global_batch_info) for the exact mini-batch "
+                            "loss whatever the micro-batch size"
+                        ),
+                        stacklevel=2,
+                    )
             if self.is_ref:
                 if self.module is not None and uses_lora(self.model_config):
                     self.ref_module = self.module  # the base weights, with the adapter disabled in compute_ref_log_prob
                 else:
-                    self.ref_module, self.tokenizer = load_policy_model(self.model_config, self.device, self.compute_dtype)
-                    self.ref_module = shard_module(self.ref_module.requires_grad_(False).eval().to(self.device), fsdp_config,
-                                                   self.compute_dtype)
+                    self.ref_module, self.tokenizer = load_policy_model(
+                        self.model_config, self.device, self.compute_dtype
+                    )
+                    self.ref_module = shard_module(
+                        self.ref_module.requires_grad_(False).eval().to(self.device), fsdp_config, self.compute_dtype
+                    )
             if self.is_rollout:
-                self.rollout = build_rollout_engine(self.rollout_config.name, model=self.module, tokenizer=self.tokenizer,
-                                                    rollout_config=self.rollout_config, model_config=self.model_config,
-                                                    compute_dtype=self.compute_dtype)
+                self.rollout = build_rollout_engine(
+                    self.rollout_config.name,
+                    model=self.module,
+                    tokenizer=self.tokenizer,
+                    rollout_config=self.rollout_config,
+                    model_config=self.model_config,
+                    compute_dtype=self.compute_dtype,
+                )
         return notes
 
     # ------------------------------------------------------------------ stages
@@ -159,7 +191,10 @@ class ActorRolloutRefWorker:
         self._require(self.is_actor, "compute_log_prob", "actor")
         micro = int(self.rollout_config.log_prob_micro_batch_size_per_gpu)
         log_probs, entropy = self._log_probs(self.module, batch, micro, calculate_entropy=True)
-        return Batch({OLD_LOG_PROBS: log_probs, ENTROPYS: entropy}, meta_info={TEMPERATURE: batch.meta_info.get(TEMPERATURE, 1.0)})
+        return Batch(
+            {OLD_LOG_PROBS: log_probs, ENTROPYS: entropy},
+            meta_info={TEMPERATURE: batch.meta_info.get(TEMPERATURE, 1.0)},
+        )
 
     @dispatch(DP_COMPUTE)
     @on_worker_device
@@ -177,7 +212,8 @@ class ActorRolloutRefWorker:
         """One PPO update on ``batch`` (needs responses, response_mask, old_log_probs, advantages; ref_log_prob
         with ``use_kl_loss``); then one LR-scheduler step. Without ``recompute_old_log_prob`` the old log-probs are
         this update's own log-probs, detached (one epoch, one mini-batch: the same numbers), and the entropy metric
-        that ``compute_log_prob`` reports comes from here. On a GPU it also reports ``perf/mfu/actor`` (the update's model
+        that ``compute_log_prob`` reports comes from here. On a GPU it also reports ``perf/mfu/actor`` (the update's
+        model
         FLOPs over its time and the GPU's peak) and the step's peak CUDA memory."""
         self._require(self.is_actor, "update_actor", "actor")
         self.updates_started += 1
@@ -194,14 +230,22 @@ class ActorRolloutRefWorker:
 
         def micro_loss(micro: Batch, info: dict[str, float], share: float) -> tuple[torch.Tensor, dict[str, float]]:
             mask = micro.tensors[RESPONSE_MASK]
-            log_prob, entropy = self._micro_log_probs(self.module, micro, temperature, calculate_entropy=entropy_coeff != 0 or reuse_log_prob)
+            log_prob, entropy = self._micro_log_probs(
+                self.module, micro, temperature, calculate_entropy=entropy_coeff != 0 or reuse_log_prob
+            )
             if reuse_log_prob:
                 old_log_prob = log_prob.detach()
                 entropy_sums.add_(torch.stack([(entropy.detach() * mask).sum(), mask.sum()]).double().cpu())
             else:
                 old_log_prob = micro.tensors[OLD_LOG_PROBS]
-            pg_loss, metrics = loss_fn(old_log_prob=old_log_prob, log_prob=log_prob, advantages=micro.tensors[ADVANTAGES],
-                                       response_mask=mask, loss_agg_mode=loss_agg_mode, config=LossConfig(actor, info))
+            pg_loss, metrics = loss_fn(
+                old_log_prob=old_log_prob,
+                log_prob=log_prob,
+                advantages=micro.tensors[ADVANTAGES],
+                response_mask=mask,
+                loss_agg_mode=loss_agg_mode,
+                config=LossConfig(actor, info),
+            )
             if not self.loss_is_global:  # a micro-batch mean: weigh it by the micro-batch's share of the mini-batch
                 pg_loss = pg_loss * share
             metrics = {**metrics, "actor/pg_loss": pg_loss.item()}
@@ -219,19 +263,34 @@ class ActorRolloutRefWorker:
 
         with optimizer_state_on_device(self.optimizer, bool(actor.fsdp_config.optimizer_offload)):
             metrics = run_updates(
-                "actor", self.module, self.optimizer, batch,
+                "actor",
+                self.module,
+                self.optimizer,
+                batch,
                 mini_batch_size=local_mini_batch_size(int(actor.ppo_mini_batch_size) * n),
                 micro_batch_size=int(actor.ppo_micro_batch_size_per_gpu),
-                epochs=int(actor.ppo_epochs), shuffle=bool(actor.shuffle),
-                seed=self.steps_trained, grad_clip=float(actor.grad_clip), micro_loss=micro_loss,
+                epochs=int(actor.ppo_epochs),
+                shuffle=bool(actor.shuffle),
+                seed=self.steps_trained,
+                grad_clip=float(actor.grad_clip),
+                micro_loss=micro_loss,
             )
         if use_kl_loss:
             metrics["actor/kl_coef"] = float(actor.kl_loss_coef)
         if reuse_log_prob:  # over every rank's tokens
             entropy_sum, tokens = global_sum(entropy_sums[0]), global_sum(entropy_sums[1])
             metrics["actor/entropy"] = float(entropy_sum / tokens.clamp(min=1))
-        metrics.update(update_mfu("actor", self.module, batch.tensors[ATTENTION_MASK], int(actor.ppo_epochs), started, self.device,
-                                  self.compute_dtype))
+        metrics.update(
+            update_mfu(
+                "actor",
+                self.module,
+                batch.tensors[ATTENTION_MASK],
+                int(actor.ppo_epochs),
+                started,
+                self.device,
+                self.compute_dtype,
+            )
+        )
         metrics.update(cuda_memory_metrics(self.device))
         self.lr_scheduler.step()
         self.steps_trained += 1
@@ -240,13 +299,22 @@ class ActorRolloutRefWorker:
     # ------------------------------------------------------------------ checkpoints
     @dispatch(ONE_TO_ALL)
     def save_checkpoint(self, folder: str | Path) -> None:
-        """Weights (HF safetensors layout, or the LoRA adapter) in ``folder``; optimizer, scheduler, RNG in state.safetensors."""
+        """Weights (HF safetensors layout, or the LoRA adapter) in ``folder``; optimizer, scheduler, RNG in
+        state.safetensors."""
         self._require(self.is_actor, "save_checkpoint", "actor")
-        save_trainable(folder, self.module, self.tokenizer, self.optimizer, self.lr_scheduler, {"rng": rng_state(), "steps_trained": self.steps_trained})
+        save_trainable(
+            folder,
+            self.module,
+            self.tokenizer,
+            self.optimizer,
+            self.lr_scheduler,
+            {"rng": rng_state(), "steps_trained": self.steps_trained},
+        )
 
     @dispatch(ONE_TO_ALL)
     def load_weights(self, folder: str | Path) -> None:
-        """The policy's weights only (a full model or a LoRA adapter, e.g. a registered model without training state)."""
+        """The policy's weights only (a full model or a LoRA adapter, e.g. a registered model without training
+        state)."""
         self._require(self.is_actor or self.is_rollout, "load_weights", "actor or rollout")
         load_model_weights(self.module, folder)
 
@@ -261,8 +329,13 @@ class ActorRolloutRefWorker:
     def _micro_log_probs(self, module: torch.nn.Module, micro: Batch, temperature: float, calculate_entropy: bool):
         with autocast(self.device, self.compute_dtype):
             return response_log_probs(
-                module, micro.tensors[INPUT_IDS], micro.tensors[ATTENTION_MASK], micro.tensors[POSITION_IDS],
-                micro.tensors[RESPONSES].shape[-1], temperature=temperature, calculate_entropy=calculate_entropy,
+                module,
+                micro.tensors[INPUT_IDS],
+                micro.tensors[ATTENTION_MASK],
+                micro.tensors[POSITION_IDS],
+                micro.tensors[RESPONSES].shape[-1],
+                temperature=temperature,
+                calculate_entropy=calculate_entropy,
                 remove_padding=self.remove_padding,
                 entropy_chunk_size=int(self.actor_config.entropy_from_logits_chunk_size),
             )
@@ -270,7 +343,10 @@ class ActorRolloutRefWorker:
     def _log_probs(self, module: torch.nn.Module, batch: Batch, micro_batch_size: int, calculate_entropy: bool):
         module.eval()
         temperature = batch.meta_info.get(TEMPERATURE, 1.0)
-        pieces = [self._micro_log_probs(module, micro, temperature, calculate_entropy) for micro in batch.split(micro_batch_size)]
+        pieces = [
+            self._micro_log_probs(module, micro, temperature, calculate_entropy)
+            for micro in batch.split(micro_batch_size)
+        ]
         log_probs = torch.cat([p[0] for p in pieces])
         entropy = torch.cat([p[1] for p in pieces]) if calculate_entropy else None
         return log_probs, entropy
@@ -278,4 +354,3 @@ class ActorRolloutRefWorker:
     def _require(self, present: bool, method: str, role: str) -> None:
         if not present:
             raise RuntimeError(f"{method} needs the {role!r} role; this worker was built without it")
-

@@ -32,7 +32,8 @@ from rl_core.workers.data_parallel import collective_device, world_size
 
 def init_distributed_from_env(backend: str = "gloo") -> None:
     """Join the process group described by RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (``gloo`` for workers on the
-    CPU, ``nccl`` for workers on GPUs). On GPUs the process takes its own device (:func:`rl_core.device.cuda_device_index`)
+    CPU, ``nccl`` for workers on GPUs). On GPUs the process takes its own device
+    (:func:`rl_core.device.cuda_device_index`)
     and LOCAL_RANK becomes that device's index: vLLM's external launcher places its engine on ``cuda:<LOCAL_RANK>``."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1 or dist.is_initialized():
@@ -75,7 +76,9 @@ def _blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
     return [sub for sub in module.modules() if type(sub).__name__ in names]
 
 
-def shard_module(module: torch.nn.Module, fsdp_config: Any = None, compute_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def shard_module(
+    module: torch.nn.Module, fsdp_config: Any = None, compute_dtype: torch.dtype = torch.float32
+) -> torch.nn.Module:
     """``fully_shard`` the blocks and the root when the world size is > 1 (on a device mesh of the module's device
     type; parameters gathered in ``compute_dtype``, gradients reduced in float32); the module itself otherwise."""
     if world_size() <= 1:
@@ -84,8 +87,10 @@ def shard_module(module: torch.nn.Module, fsdp_config: Any = None, compute_dtype
     # and FSDP2 needs its root's forward to run first
     root = module.get_base_model() if hasattr(module, "get_base_model") else module
     device_type = next(module.parameters()).device.type
-    kwargs: dict[str, Any] = {"mesh": init_device_mesh(device_type, (world_size(),)),
-                              "mp_policy": MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)}
+    kwargs: dict[str, Any] = {
+        "mesh": init_device_mesh(device_type, (world_size(),)),
+        "mp_policy": MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32),
+    }
     if fsdp_config.param_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for block in _blocks(root):
@@ -119,7 +124,9 @@ def load_full_model_state_dict(module: torch.nn.Module, state: dict[str, torch.T
     """Load full weights (read on rank 0, broadcast) into a possibly sharded module; returns (missing, unexpected)."""
     if world_size() <= 1:
         return module.load_state_dict(state, strict=False)
-    result = set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False))
+    result = set_model_state_dict(
+        module, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    )
     return list(result.missing_keys), list(result.unexpected_keys)
 
 
@@ -129,11 +136,15 @@ def full_optimizer_state_dict(module: torch.nn.Module, optimizer: torch.optim.Op
     return get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def load_full_optimizer_state_dict(module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+def load_full_optimizer_state_dict(
+    module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+) -> None:
     if world_size() <= 1:
         optimizer.load_state_dict(state)
     else:
-        set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        set_optimizer_state_dict(
+            module, optimizer, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        )
 
 
 @contextlib.contextmanager

@@ -14,7 +14,15 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from rl_core.batch import Batch
-from rl_core.batch_fields import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RAW_PROMPT, RESPONSE_MASK, RESPONSES, RM_SCORES
+from rl_core.batch_fields import (
+    ATTENTION_MASK,
+    INPUT_IDS,
+    POSITION_IDS,
+    RAW_PROMPT,
+    RESPONSE_MASK,
+    RESPONSES,
+    RM_SCORES,
+)
 from rl_core.device import on_worker_device
 from rl_core.models.loading import load_hf_config, load_tokenizer, local_model_path, torch_dtype
 from rl_core.workers.dispatch import DP_COMPUTE, ONE_TO_ALL, dispatch
@@ -32,20 +40,30 @@ class RewardModelWorker:
         trust_remote_code = bool(self.model_config.trust_remote_code)
         hf_config = load_hf_config(path, {}, trust_remote_code)
         hf_config.num_labels = 1
-        self.module = AutoModelForSequenceClassification.from_pretrained(
-            local_model_path(path, "reward_model.model.path"), config=hf_config,
-            dtype=torch_dtype(self.model_config.dtype), trust_remote_code=trust_remote_code,
-        ).eval().to(self.device)
+        self.module = (
+            AutoModelForSequenceClassification.from_pretrained(
+                local_model_path(path, "reward_model.model.path"),
+                config=hf_config,
+                dtype=torch_dtype(self.model_config.dtype),
+                trust_remote_code=trust_remote_code,
+            )
+            .eval()
+            .to(self.device)
+        )
         self.tokenizer = load_tokenizer(path, trust_remote_code)
         self.tokenizer.padding_side = "right"
         input_tokenizer = self.model_config.input_tokenizer
         self.policy_tokenizer = load_tokenizer(input_tokenizer, trust_remote_code) if input_tokenizer else None
 
-    def _sequence_scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+    def _sequence_scores(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None
+    ) -> torch.Tensor:
         """The scalar head applied to the hidden state of each row's last valid token."""
-        hidden = self.module.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).last_hidden_state
+        hidden = self.module.base_model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
         last = (attention_mask * torch.arange(attention_mask.shape[1], device=attention_mask.device)).argmax(dim=-1)
-        head = getattr(self.module, "score", None) or getattr(self.module, "classifier")
+        head = getattr(self.module, "score", None) or self.module.classifier
         return head(hidden[torch.arange(hidden.shape[0]), last]).squeeze(-1).float()
 
     def _retokenize(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,9 +72,14 @@ class RewardModelWorker:
         for i in range(len(batch)):
             response = self.policy_tokenizer.decode(batch.tensors[RESPONSES][i, : lengths[i]], skip_special_tokens=True)
             prompt = batch.non_tensors[RAW_PROMPT][i]
-            messages = ([{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)) + [{"role": "assistant", "content": response}]
-            texts.append(self.tokenizer.apply_chat_template(messages, tokenize=False) if self.tokenizer.chat_template else
-                         "\n".join(m["content"] for m in messages))
+            messages = ([{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)) + [
+                {"role": "assistant", "content": response}
+            ]
+            texts.append(
+                self.tokenizer.apply_chat_template(messages, tokenize=False)
+                if self.tokenizer.chat_template
+                else "\n".join(m["content"] for m in messages)
+            )
         encoded = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         return encoded["input_ids"].to(self.device), encoded["attention_mask"].to(self.device)
 
@@ -71,7 +94,11 @@ class RewardModelWorker:
                 input_ids, attention_mask = self._retokenize(micro)
                 scores.append(self._sequence_scores(input_ids, attention_mask, None))
             else:
-                scores.append(self._sequence_scores(micro.tensors[INPUT_IDS], micro.tensors[ATTENTION_MASK], micro.tensors[POSITION_IDS]))
+                scores.append(
+                    self._sequence_scores(
+                        micro.tensors[INPUT_IDS], micro.tensors[ATTENTION_MASK], micro.tensors[POSITION_IDS]
+                    )
+                )
         response_mask = batch.tensors[RESPONSE_MASK]
         last = (response_mask.sum(-1) - 1).clamp(min=0)
         rm_scores = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)

@@ -28,7 +28,9 @@ class NonFiniteError(FloatingPointError):
     """A loss became NaN/Inf; the update stopped before that mini-batch's optimizer step."""
 
 
-def mini_batches(batch: Batch, mini_batch_size: int, epochs: int, shuffle: bool, seed: int) -> Iterator[tuple[int, Batch]]:
+def mini_batches(
+    batch: Batch, mini_batch_size: int, epochs: int, shuffle: bool, seed: int
+) -> Iterator[tuple[int, Batch]]:
     """(epoch, mini-batch) pairs; with ``shuffle`` each epoch visits the rows in a seeded random order."""
     for epoch in range(epochs):
         if shuffle:
@@ -67,7 +69,8 @@ def run_updates(
     grad_clip: float,
     micro_loss: Callable[[Batch, dict[str, float], float], tuple[torch.Tensor, dict[str, float]]],
 ) -> dict[str, float]:
-    """Run the loop; ``micro_loss(micro, batch_info, share)`` returns the micro-batch's part of the mini-batch's loss and
+    """Run the loop; ``micro_loss(micro, batch_info, share)`` returns the micro-batch's part of the mini-batch's loss
+    and
     its metrics (``share``: the micro-batch's rows / the rank's mini-batch rows, for a loss that is a micro-batch mean).
 
     Returns metrics averaged over mini-batches (``<name>/grad_norm`` and per-micro metrics averaged over micros;
@@ -84,10 +87,12 @@ def run_updates(
             loss, metrics = micro_loss(micro, info, len(micro) / len(mini))
             if any_rank(not bool(torch.isfinite(loss))):  # all ranks stop together, before backward's collectives
                 optimizer.zero_grad(set_to_none=True)
-                raise NonFiniteError(f"{name} update: the loss is {loss.item()} on this rank (epoch {epoch}, after {steps} optimizer "
-                                     f"step(s) of this update; non-finite on at least one rank): the update stops here and the run "
-                                     f"fails; resuming restarts from the last checkpoint. Check the rewards and advantages for "
-                                     f"NaN/Inf, or lower the learning rate")
+                raise NonFiniteError(
+                    f"{name} update: the loss is {loss.item()} on this rank (epoch {epoch}, after {steps} optimizer "
+                    "step(s) of this update; non-finite on at least one rank): the update stops here and the run "
+                    "fails; resuming restarts from the last checkpoint. Check the rewards and advantages for NaN/Inf, "
+                    "or lower the learning rate"
+                )
             loss.backward()
             for key, value in metrics.items():
                 micro_metrics[key].append(value)

@@ -80,8 +80,14 @@ def adapter_module_names(model: torch.nn.Module, adapter_state: dict[str, torch.
     return mapped
 
 
-def save_trainable(folder: str | Path, module: torch.nn.Module, tokenizer: Any, optimizer: torch.optim.Optimizer,
-                   lr_scheduler: Any, extra: dict[str, Any]) -> None:
+def save_trainable(
+    folder: str | Path,
+    module: torch.nn.Module,
+    tokenizer: Any,
+    optimizer: torch.optim.Optimizer,
+    lr_scheduler: Any,
+    extra: dict[str, Any],
+) -> None:
     """A trainable model's checkpoint: weights in ``folder`` + optimizer, LR scheduler and ``extra`` in
     state.safetensors. Every rank must call it (sharded weights are gathered); rank 0 writes."""
     weights = full_model_state_dict(module) if world_size() > 1 else None
@@ -90,12 +96,17 @@ def save_trainable(folder: str | Path, module: torch.nn.Module, tokenizer: Any, 
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         save_model_weights(module, tokenizer, folder, weights)
-        save_state({"optimizer": optimizer_state, "lr_scheduler": lr_scheduler.state_dict(), "extra": extra}, folder / TRAINING_STATE_FILE)
+        save_state(
+            {"optimizer": optimizer_state, "lr_scheduler": lr_scheduler.state_dict(), "extra": extra},
+            folder / TRAINING_STATE_FILE,
+        )
     if world_size() > 1:
         torch.distributed.barrier()
 
 
-def load_trainable(folder: str | Path, module: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any) -> dict[str, Any]:
+def load_trainable(
+    folder: str | Path, module: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any
+) -> dict[str, Any]:
     """Restore what :func:`save_trainable` wrote (in place) and return its ``extra``. Every rank must call it."""
     folder = Path(folder)
     load_model_weights(module, folder)

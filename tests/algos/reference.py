@@ -88,7 +88,11 @@ def opo(scores, mask, index):
     out = []
     for i, s in enumerate(scores):
         members = [j for j in range(len(scores)) if index[j] == index[i]]
-        baseline = 0.0 if len(members) == 1 else sum(lengths[j] * scores[j] for j in members) / sum(lengths[j] for j in members)
+        baseline = (
+            0.0
+            if len(members) == 1
+            else sum(lengths[j] * scores[j] for j in members) / sum(lengths[j] for j in members)
+        )
         out.append(s - baseline)
     return broadcast(out, mask)
 
@@ -164,7 +168,10 @@ def ppo_clip_token(log_ratio, a, eps_low, eps_high, c):
 
 
 def vanilla(old, new, adv, mask, mode, eps_low, eps_high, c):
-    per_token = [[ppo_clip_token(n - o, a, eps_low, eps_high, c) for o, n, a in zip(ro, rn, ra)] for ro, rn, ra in zip(old, new, adv)]
+    per_token = [
+        [ppo_clip_token(n - o, a, eps_low, eps_high, c) for o, n, a in zip(ro, rn, ra)]
+        for ro, rn, ra in zip(old, new, adv)
+    ]
     loss = agg([[p[0] for p in row] for row in per_token], mask, mode)
     clipfrac = masked_mean([[float(p[1]) for p in row] for row in per_token], mask)
     lower = masked_mean([[float(p[2]) for p in row] for row in per_token], mask)
@@ -218,7 +225,10 @@ def geo_mean(old, new, adv, mask, eps_low, eps_high):
 
 
 def cispo(old, new, adv, mask, mode, eps_low, eps_high):
-    losses = [[-min(max(math.exp(n - o), 1 - eps_low), 1 + eps_high) * a * n for o, n, a in zip(ro, rn, ra)] for ro, rn, ra in zip(old, new, adv)]
+    losses = [
+        [-min(max(math.exp(n - o), 1 - eps_low), 1 + eps_high) * a * n for o, n, a in zip(ro, rn, ra)]
+        for ro, rn, ra in zip(old, new, adv)
+    ]
     return agg(losses, mask, mode)
 
 

@@ -46,8 +46,13 @@ def test_kl_values_and_gradients(name):
     assert torch.allclose(value, torch.tensor(expected), atol=1e-5)
     value.sum().backward()
     d = (lp - ref_lp).detach()
-    expected_grad = {  # d/d(log_prob) of each estimator, by hand; the "+" variants take k2's gradient (straight-through)
-        "kl": torch.ones_like(d), "k1": torch.ones_like(d), "abs": torch.sign(d), "mse": d, "k2": d,
+    # d/d(log_prob) of each estimator, by hand; the "+" variants take k2's gradient (straight-through)
+    expected_grad = {
+        "kl": torch.ones_like(d),
+        "k1": torch.ones_like(d),
+        "abs": torch.sign(d),
+        "mse": d,
+        "k2": d,
         "low_var_kl": torch.where((torch.exp(-d) + d - 1).abs() < 10, 1 - torch.exp(-d), torch.zeros_like(d)),
     }
     expected_grad["k3"] = expected_grad["low_var_kl"]
@@ -91,10 +96,14 @@ def test_adaptive_controller_follows_the_formula_and_restores_its_state():
 # ------------------------------------------------------------------ value loss
 def test_value_loss_by_hand():
     # V_old = 0, clip 0.5: V = 2 -> clipped 0.5; R = 1 -> max((2-1)^2, (0.5-1)^2) = 1 ; 0.5 * 1
-    loss, clipfrac = compute_value_loss(torch.tensor([[2.0]]), torch.tensor([[1.0]]), torch.tensor([[0.0]]), torch.ones(1, 1), 0.5)
+    loss, clipfrac = compute_value_loss(
+        torch.tensor([[2.0]]), torch.tensor([[1.0]]), torch.tensor([[0.0]]), torch.ones(1, 1), 0.5
+    )
     assert loss.item() == pytest.approx(0.5) and clipfrac.item() == 0.0
     # R = 3: clipped error (0.5-3)^2 = 6.25 beats 1 -> counted as clipped
-    loss, clipfrac = compute_value_loss(torch.tensor([[2.0]]), torch.tensor([[3.0]]), torch.tensor([[0.0]]), torch.ones(1, 1), 0.5)
+    loss, clipfrac = compute_value_loss(
+        torch.tensor([[2.0]]), torch.tensor([[3.0]]), torch.tensor([[0.0]]), torch.ones(1, 1), 0.5
+    )
     assert loss.item() == pytest.approx(3.125) and clipfrac.item() == 1.0
 
 
@@ -105,10 +114,14 @@ def test_value_loss_and_aggregation_match_plain_loops(seed, padding, mode):
     mask = make_mask(g, 5, 7, padding)
     vpreds, returns, values = (torch.randn(5, 7, generator=g) for _ in range(3))
     loss, clipfrac = compute_value_loss(vpreds, returns, values, mask, 0.3, mode)
-    expected_loss, expected_clipfrac = ref.value_loss(ref.rows(vpreds), ref.rows(returns), ref.rows(values), ref.rows(mask), 0.3, mode)
+    expected_loss, expected_clipfrac = ref.value_loss(
+        ref.rows(vpreds), ref.rows(returns), ref.rows(values), ref.rows(mask), 0.3, mode
+    )
     assert loss.item() == pytest.approx(expected_loss, rel=1e-5)
     assert clipfrac.item() == pytest.approx(expected_clipfrac, abs=1e-6)
-    assert agg_loss(vpreds, mask, mode).item() == pytest.approx(ref.agg(ref.rows(vpreds), ref.rows(mask), mode), rel=1e-5, abs=1e-6)
+    assert agg_loss(vpreds, mask, mode).item() == pytest.approx(
+        ref.agg(ref.rows(vpreds), ref.rows(mask), mode), rel=1e-5, abs=1e-6
+    )
 
 
 def test_aggregation_skips_fully_masked_sequences_and_scales_for_data_parallel():
@@ -141,11 +154,14 @@ def test_seq_mean_token_sum_norm_is_verl_091s_by_hand():
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
     assert agg_loss(losses, mask, "seq-mean-token-sum-norm").item() == pytest.approx(6.0 / 1 / 4)
     # two ranks, each holding one of two non-empty sequences: scaled by dp_size, the ranks' mean is the global loss
-    assert agg_loss(losses[:1], mask[:1], "seq-mean-token-sum-norm", dp_size=2, global_batch_size=2).item() == pytest.approx(6.0 / 2 / 4 * 2)
+    assert agg_loss(
+        losses[:1], mask[:1], "seq-mean-token-sum-norm", dp_size=2, global_batch_size=2
+    ).item() == pytest.approx(6.0 / 2 / 4 * 2)
 
 
 def test_chunks_recomputed_in_the_backward_pass_give_the_plain_gradient():
-    """Under autograd the chunks are checkpointed (their softmax is not kept): the entropy's and the log-probs' gradients
+    """Under autograd the chunks are checkpointed (their softmax is not kept): the entropy's and the log-probs'
+    gradients
     are still those of the plain, unchunked formulas."""
     from rl_core.models.logprob import token_log_probs
 

@@ -36,7 +36,9 @@ def problems(config) -> list[str]:
 
 def test_usable_inputs_pass_in_well_under_two_seconds(checked, tmp_path):
     reward = tmp_path / "reward.py"
-    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None, scale=1.0):\n    return scale\n")
+    reward.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None, scale=1.0):\n    return scale\n"
+    )
     checked.custom_reward_function.path = str(reward)
     checked.custom_reward_function.reward_kwargs = {"scale": 2.0}
     started = time.perf_counter()
@@ -50,18 +52,29 @@ def test_data_problems(checked, data_files, tmp_path):
     (tmp_path / "bad.parquet").write_bytes(b"not parquet at all")
     checked.data.train_files = str(tmp_path / "bad.parquet")
     assert problems(checked)[0].startswith(f"data.train_files: {tmp_path / 'bad.parquet'}: not a readable parquet file")
-    write_rows([{"data_source": "x", "prompt": "2+2=", "reward_model": {"ground_truth": "4"}},
-                {"data_source": "x", "question": "no prompt column"}], tmp_path / "rows.jsonl")
+    write_rows(
+        [
+            {"data_source": "x", "prompt": "2+2=", "reward_model": {"ground_truth": "4"}},
+            {"data_source": "x", "question": "no prompt column"},
+        ],
+        tmp_path / "rows.jsonl",
+    )
     checked.data.train_files = str(data_files[0])
     checked.data.val_files = str(tmp_path / "rows.jsonl")
-    assert problems(checked) == [f"data.val_files: {tmp_path / 'rows.jsonl'}: row 1: column 'prompt' must be a list of "
-                                 "{'role', 'content'} messages or a string, got None"]
+    assert problems(checked) == [
+        f"data.val_files: {tmp_path / 'rows.jsonl'}: row 1: column 'prompt' must be a list of {{'role', 'content'}} "
+        "messages or a string, got None"
+    ]
     checked.data.val_files = str(data_files[1])
     checked.data.train_batch_size = 13
-    assert problems(checked) == ["data.train_batch_size=13 is larger than the 12 rows of data.train_files: lower it or give more data"]
+    assert problems(checked) == [
+        "data.train_batch_size=13 is larger than the 12 rows of data.train_files: lower it or give more data"
+    ]
     checked.data.train_max_samples = 3
     checked.data.train_batch_size = 4
-    assert problems(checked) == ["data.train_batch_size=4 is larger than the 3 rows of data.train_files: lower it or give more data"]
+    assert problems(checked) == [
+        "data.train_batch_size=4 is larger than the 3 rows of data.train_files: lower it or give more data"
+    ]
 
 
 def test_model_problems(checked, tiny_model_path, tmp_path):
@@ -69,10 +82,14 @@ def test_model_problems(checked, tiny_model_path, tmp_path):
     shutil.copytree(tiny_model_path, broken)
     (broken / "model.safetensors").unlink()
     checked.actor_rollout_ref.model.path = str(broken)
-    assert problems(checked) == [f"actor_rollout_ref.model.path={str(broken)!r} has no weights (model.safetensors or pytorch_model.bin); "
-                                 "the download or save did not finish"]
+    assert problems(checked) == [
+        f"actor_rollout_ref.model.path={str(broken)!r} has no weights (model.safetensors or pytorch_model.bin); the "
+        "download or save did not finish"
+    ]
     checked.actor_rollout_ref.model.path = str(tmp_path / "nowhere")
-    assert problems(checked)[0].startswith(f"actor_rollout_ref.model.path={str(tmp_path / 'nowhere')!r}: no such folder")
+    assert problems(checked)[0].startswith(
+        f"actor_rollout_ref.model.path={str(tmp_path / 'nowhere')!r}: no such folder"
+    )
     checked.actor_rollout_ref.model.path = str(tiny_model_path)
     checked.critic.model.path = str(tmp_path / "nowhere")
     assert problems(checked) == []  # GRPO: no critic
@@ -80,16 +97,34 @@ def test_model_problems(checked, tiny_model_path, tmp_path):
     assert problems(checked)[0].startswith(f"critic.model.path={str(tmp_path / 'nowhere')!r}: no such folder")
 
 
-@pytest.mark.parametrize("source, manager, expected", [
-    (None, "naive", "custom_reward_function.path='{path}': no such file"),
-    ("import not_a_module_anywhere\n", "naive", "custom_reward_function.path='{path}' failed to import: ModuleNotFoundError"),
-    ("def other(data_source, solution_str, ground_truth, extra_info=None):\n    return 0\n", "naive",
-     "custom_reward_function.name='compute_score' is not a function in {path} (it has: ['other'])"),
-    ("def compute_score(solution, truth):\n    return 0\n", "naive",
-     "custom_reward_function.name='compute_score' in {path} cannot be called as compute_score(data_source, solution_str, ground_truth, extra_info)"),
-    ("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0\n", "batch",
-     "custom_reward_function.name='compute_score' in {path} cannot be called as compute_score(data_sources, solution_strs, ground_truths, extra_infos)"),
-])
+@pytest.mark.parametrize(
+    "source, manager, expected",
+    [
+        (None, "naive", "custom_reward_function.path='{path}': no such file"),
+        (
+            "import not_a_module_anywhere\n",
+            "naive",
+            "custom_reward_function.path='{path}' failed to import: ModuleNotFoundError",
+        ),
+        (
+            "def other(data_source, solution_str, ground_truth, extra_info=None):\n    return 0\n",
+            "naive",
+            "custom_reward_function.name='compute_score' is not a function in {path} (it has: ['other'])",
+        ),
+        (
+            "def compute_score(solution, truth):\n    return 0\n",
+            "naive",
+            "custom_reward_function.name='compute_score' in {path} cannot be called as compute_score(data_source, "
+            "solution_str, ground_truth, extra_info)",
+        ),
+        (
+            "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0\n",
+            "batch",
+            "custom_reward_function.name='compute_score' in {path} cannot be called as compute_score(data_sources, "
+            "solution_strs, ground_truths, extra_infos)",
+        ),
+    ],
+)
 def test_reward_function_problems(checked, tmp_path, source, manager, expected):
     path = tmp_path / "reward.py"
     if source is not None:
@@ -105,20 +140,39 @@ def test_every_problem_is_reported_at_once(checked, tmp_path):
     checked.actor_rollout_ref.model.path = str(tmp_path / "nowhere")
     checked.custom_reward_function.path = str(tmp_path / "reward.py")
     assert [line.split(":")[0].split("=")[0] for line in problems(checked)] == [
-        "data.train_files", "actor_rollout_ref.model.path", "custom_reward_function.path"]
+        "data.train_files",
+        "actor_rollout_ref.model.path",
+        "custom_reward_function.path",
+    ]
 
 
 def test_ppoflow_train_refuses_them_before_starting_anything(tmp_path, data_files):
     started = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "flows.cli", "train", f"trainer.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
-                             f"trainer.default_local_dir={tmp_path}/checkpoints", f"data.train_files={data_files[0]}",
-                             f"data.val_files={tmp_path}/missing.jsonl", f"actor_rollout_ref.model.path={tmp_path}"],
-                            capture_output=True, text=True, cwd=ROOT, timeout=120, env={"PATH": "/usr/bin:/bin", "PPOFLOW_HOME": str(tmp_path)})
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "train",
+            f"trainer.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
+            f"trainer.default_local_dir={tmp_path}/checkpoints",
+            f"data.train_files={data_files[0]}",
+            f"data.val_files={tmp_path}/missing.jsonl",
+            f"actor_rollout_ref.model.path={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "PPOFLOW_HOME": str(tmp_path)},
+    )
     assert result.returncode == 2, result.stdout + result.stderr
-    assert result.stderr.splitlines() == ["ppoflow train: data.train_batch_size=1024 is larger than the 12 rows of data.train_files: lower it "
-                                          "or give more data",
-                                          f"ppoflow train: data.val_files: {tmp_path}/missing.jsonl: no such dataset file",
-                                          f"ppoflow train: actor_rollout_ref.model.path={str(tmp_path)!r} has no config.json; it is not a "
-                                          "Hugging Face checkpoint folder"]
+    assert result.stderr.splitlines() == [
+        "ppoflow train: data.train_batch_size=1024 is larger than the 12 rows of data.train_files: lower it or give "
+        "more data",
+        f"ppoflow train: data.val_files: {tmp_path}/missing.jsonl: no such dataset file",
+        f"ppoflow train: actor_rollout_ref.model.path={str(tmp_path)!r} has no config.json; it is not a Hugging Face "
+        "checkpoint folder",
+    ]
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "checkpoints").exists()
     print(f"refused in {time.monotonic() - started:.1f} s, interpreter start and imports included")

@@ -1,5 +1,6 @@
 """Probes of a hostile user and a crashing machine (the session's Ray head, a real Prefect API, MLflow on SQLite):
-secrets are stored nowhere, one run at a time uses a folder, a damaged checkpoint is skipped, the Ray token is private."""
+secrets are stored nowhere, one run at a time uses a folder, a damaged checkpoint is skipped, the Ray token is
+private."""
 
 import json
 import os
@@ -24,15 +25,23 @@ SECRET, TOKEN = "s3cr3t-value-42", "hf_" + "Q" * 30
 
 def test_secrets_reach_neither_mlflow_nor_prefect(tmp_path, demo_cache, ray_address, prefect_api, monkeypatch):
     reward = tmp_path / "reward_with_keys.py"
-    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None, api_key=None, endpoint=None, hf_token=None):\n"
-                      f"    assert api_key == {SECRET!r} and {SECRET!r} in endpoint and hf_token == {TOKEN!r}\n"
-                      "    return float(solution_str.strip() == ground_truth)\n")
+    reward.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None, api_key=None, endpoint=None, "
+        f"hf_token=None):\n    assert api_key == {SECRET!r} and {SECRET!r} in endpoint and hf_token == {TOKEN!r}\n    "
+        "return float(solution_str.strip() == ground_truth)\n"
+    )
     monkeypatch.setenv("PPOFLOW_TEST_HF_TOKEN", TOKEN)
     monkeypatch.setenv(SECRET_OVERRIDES_ENV, "[]")  # restored after the test
-    overrides = small_run_overrides(tmp_path, demo_cache, "trainer.total_training_steps=1", "trainer.test_freq=-1", f"custom_reward_function.path={reward}",
-                                    f"+custom_reward_function.reward_kwargs.api_key={SECRET}",
-                                    f"+custom_reward_function.reward_kwargs.endpoint='https://user:{SECRET}@host/v1'",
-                                    "+custom_reward_function.reward_kwargs.hf_token='${oc.env:PPOFLOW_TEST_HF_TOKEN}'")
+    overrides = small_run_overrides(
+        tmp_path,
+        demo_cache,
+        "trainer.total_training_steps=1",
+        "trainer.test_freq=-1",
+        f"custom_reward_function.path={reward}",
+        f"+custom_reward_function.reward_kwargs.api_key={SECRET}",
+        f"+custom_reward_function.reward_kwargs.endpoint='https://user:{SECRET}@host/v1'",
+        "+custom_reward_function.reward_kwargs.hf_token='${oc.env:PPOFLOW_TEST_HF_TOKEN}'",
+    )
     public = hide_secret_overrides(overrides)  # what `ppoflow train` does with the command line
     assert not any(SECRET in o for o in public)
     result = train(overrides=public)  # the reward function got every secret (it asserts them)
@@ -44,7 +53,10 @@ def test_secrets_reach_neither_mlflow_nor_prefect(tmp_path, demo_cache, ray_addr
     with get_client(sync_client=True) as prefect:
         flow_run_id = run.data.tags["ppoflow.prefect_flow_run_id"]
         stored += json.dumps(prefect.read_flow_run(flow_run_id).parameters)
-        stored += " ".join(log.message for log in prefect.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]))))
+        stored += " ".join(
+            log.message
+            for log in prefect.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+        )
     assert SECRET not in stored and TOKEN not in stored
 
 
@@ -53,7 +65,11 @@ def test_a_second_run_in_a_folder_in_use_is_refused_at_once(tmp_path, demo_cache
     holder = StepCheckpoints(tmp_path / "checkpoints").lock({"run": "the-first-run"})
     try:
         started = time.monotonic()
-        with pytest.raises(InputError, match=rf"trainer.default_local_dir: folder .*checkpoints is in use by run the-first-run \(pid {os.getpid()}, started"):
+        with pytest.raises(
+            InputError,
+            match=r"trainer.default_local_dir: folder .*checkpoints is in use by run the-first-run \(pid "
+            rf"{os.getpid()}, started",
+        ):
             train(overrides=overrides)
         assert time.monotonic() - started < 10
         assert not (tmp_path / "mlflow.db").exists()  # refused before any MLflow run exists
@@ -68,10 +84,20 @@ def test_a_damaged_latest_checkpoint_is_skipped_for_the_previous_one(tmp_path, d
     (checkpoints.step_dir(3) / "actor" / "model.safetensors").unlink()
     client = MlflowClient(first["tracking_uri"])
     # naming the damaged one: refused with the fix, and the finished run is left as it was
-    with pytest.raises(InputError, match=r"trainer.resume_from_path: checkpoint .*global_step_3 is damaged: actor/model.safetensors is missing; "
-                                         r".*global_step_2 is intact"):
-        train(overrides=small_run_overrides(tmp_path, demo_cache, *settings, "trainer.resume_mode=resume_path",
-                                            f"trainer.resume_from_path={checkpoints.step_dir(3)}"))
+    with pytest.raises(
+        InputError,
+        match=r"trainer.resume_from_path: checkpoint .*global_step_3 is damaged: actor/model.safetensors is missing; "
+        r".*global_step_2 is intact",
+    ):
+        train(
+            overrides=small_run_overrides(
+                tmp_path,
+                demo_cache,
+                *settings,
+                "trainer.resume_mode=resume_path",
+                f"trainer.resume_from_path={checkpoints.step_dir(3)}",
+            )
+        )
     assert client.get_run(first["run_id"]).info.status == "FINISHED"
     # resume_mode=auto: skips it, continues from step 2 in the same run, every step logged once
     resumed = train(overrides=small_run_overrides(tmp_path, demo_cache, *settings, "trainer.total_training_steps=4"))

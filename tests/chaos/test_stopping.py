@@ -44,10 +44,11 @@ def command_line(pid: int) -> str:
 
 
 def test_the_watchdog_ends_what_a_killed_process_left_and_nothing_else(tmp_path):
-    script = ("import subprocess, time\n"
-              "orphan = subprocess.Popen(['sleep', '600'], start_new_session=True)\n"  # not in the parent's process group
-              "print(orphan.pid, flush=True)\n"
-              "time.sleep(600)\n")
+    script = (
+        "import subprocess, time\n"
+        "orphan = subprocess.Popen(['sleep', '600'], start_new_session=True)\n"  # not in the parent's process group
+        "print(orphan.pid, flush=True)\ntime.sleep(600)\n"
+    )
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     orphan = int(parent.stdout.readline())
     bystander = subprocess.Popen(["sleep", "600"])
@@ -64,17 +65,35 @@ def test_the_watchdog_ends_what_a_killed_process_left_and_nothing_else(tmp_path)
         parent.kill()
 
 
-def test_sigkill_of_the_controller_leaves_no_process_and_the_next_run_marks_it_killed(tmp_path, demo_cache, ray_address, prefect_api):
-    """The embedded default's helpers: Prefect's temporary API server and a local Ray cluster, both started by the run."""
-    overrides = small_run_overrides(tmp_path, demo_cache, "trainer.total_training_steps=50", "trainer.save_freq=-1",
-                                    "trainer.test_freq=-1", "trainer.val_before_train=false")
+def test_sigkill_of_the_controller_leaves_no_process_and_the_next_run_marks_it_killed(
+    tmp_path, demo_cache, ray_address, prefect_api
+):
+    """The embedded default's helpers: Prefect's temporary API server and a local Ray cluster, both started by the
+    run."""
+    overrides = small_run_overrides(
+        tmp_path,
+        demo_cache,
+        "trainer.total_training_steps=50",
+        "trainer.save_freq=-1",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "RAY_ADDRESS", "MLFLOW_TRACKING"))}
-    env.update(PPOFLOW_HOME=str(tmp_path / "home"), PREFECT_HOME=str(tmp_path / "prefect"))  # no stack: everything is the run's own
+    env.update(
+        PPOFLOW_HOME=str(tmp_path / "home"), PREFECT_HOME=str(tmp_path / "prefect")
+    )  # no stack: everything is the run's own
     log = tmp_path / "controller.log"
     with open(log, "w") as output:
-        controller = subprocess.Popen([sys.executable, "-m", "flows.cli", "train", *overrides], env=env, cwd=ROOT,
-                                      stdout=output, stderr=subprocess.STDOUT)
-    wait_until(lambda: "step 2/50" in log.read_text() or controller.poll() is not None, 300, "the run never reached step 2")
+        controller = subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", "train", *overrides],
+            env=env,
+            cwd=ROOT,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )
+    wait_until(
+        lambda: "step 2/50" in log.read_text() or controller.poll() is not None, 300, "the run never reached step 2"
+    )
     assert controller.poll() is None, log.read_text()[-3000:]
     started = watchdog.descendants(controller.pid, watchdog.processes())
     lines = [command_line(pid) for pid in started]
@@ -82,14 +101,25 @@ def test_sigkill_of_the_controller_leaves_no_process_and_the_next_run_marks_it_k
     assert any("raylet" in line for line in lines), lines
     controller.kill()
     controller.wait()
-    wait_until(lambda: not any(alive(pid) for pid in started), 30, "processes outlived the killed controller: "
-               + str([command_line(pid) for pid in started if alive(pid)]))
+    wait_until(
+        lambda: not any(alive(pid) for pid in started),
+        30,
+        "processes outlived the killed controller: " + str([command_line(pid) for pid in started if alive(pid)]),
+    )
 
     lock = json.loads((tmp_path / "checkpoints" / ".lock").read_text())  # what the killed controller left
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     assert lock["pid"] == controller.pid and client.get_run(lock["mlflow_run_id"]).info.status == "RUNNING"
-    train(overrides=small_run_overrides(tmp_path, demo_cache, "trainer.total_training_steps=1", "trainer.resume_mode=disable",
-                                        "trainer.test_freq=-1", "trainer.val_before_train=false"))
+    train(
+        overrides=small_run_overrides(
+            tmp_path,
+            demo_cache,
+            "trainer.total_training_steps=1",
+            "trainer.resume_mode=disable",
+            "trainer.test_freq=-1",
+            "trainer.val_before_train=false",
+        )
+    )
     killed = client.get_run(lock["mlflow_run_id"])
     assert killed.info.status == "KILLED"
     assert killed.data.tags["ppoflow.error"].startswith(f"its controller (pid {controller.pid}, started ")
@@ -110,7 +140,9 @@ sys.exit(_run_flow_command(argparse.Namespace(command="train", verbose=False, fl
 
 @pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_the_first_signal_interrupts_the_command_and_sets_its_exit_code(signum, code):
-    command = subprocess.Popen([sys.executable, "-c", SLEEPING_COMMAND], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    command = subprocess.Popen(
+        [sys.executable, "-c", SLEEPING_COMMAND], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     assert command.stdout.readline() == "running\n"
     command.send_signal(signum)
     output = command.stdout.read()
@@ -120,11 +152,24 @@ def test_the_first_signal_interrupts_the_command_and_sets_its_exit_code(signum, 
 
 def test_sigterm_stops_a_training_run_cleanly(tmp_path, demo_cache, ray_address, prefect_api):
     signum, code = signal.SIGTERM, 143
-    overrides = small_run_overrides(tmp_path, demo_cache, "trainer.total_training_steps=50", "trainer.save_freq=-1", "trainer.test_freq=-1",
-                                    "trainer.val_before_train=false", f"trainer.ray.address={ray_address}")
+    overrides = small_run_overrides(
+        tmp_path,
+        demo_cache,
+        "trainer.total_training_steps=50",
+        "trainer.save_freq=-1",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
+        f"trainer.ray.address={ray_address}",
+    )
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PPOFLOW_HOME": str(tmp_path / "home")}
-    controller = subprocess.Popen([sys.executable, "-m", "flows.cli", "train", *overrides], env=env, cwd=ROOT,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    controller = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "train", *overrides],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     output = []
     for line in controller.stdout:
         output.append(line)
@@ -138,21 +183,37 @@ def test_sigterm_stops_a_training_run_cleanly(tmp_path, demo_cache, ray_address,
     [run] = client.search_runs([client.get_experiment_by_name("ppoflow").experiment_id])
     assert run.info.status == "KILLED"
     namespace = run_namespace(run.info.run_id)
-    assert [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == namespace] == []  # workers freed
+    assert [
+        a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == namespace
+    ] == []  # workers freed
     assert (tmp_path / "checkpoints" / ".lock").read_text() == ""  # let go of the folder
 
 
-def test_a_long_run_keeps_only_its_recent_task_runs_in_prefect(tmp_path, demo_cache, ray_address, prefect_api, monkeypatch):
-    """Prefect's database stays bounded: the task runs of all but the last ``trainer.prefect_history_steps`` steps go."""
+def test_a_long_run_keeps_only_its_recent_task_runs_in_prefect(
+    tmp_path, demo_cache, ray_address, prefect_api, monkeypatch
+):
+    """Prefect's database stays bounded: the task runs of all but the last ``trainer.prefect_history_steps`` steps
+    go."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     from flows import prefect_view
 
     monkeypatch.setattr(prefect_view, "PRUNE_EVERY_STEPS", 2)
-    result = train(overrides=small_run_overrides(tmp_path, demo_cache, "trainer.total_training_steps=8", "trainer.prefect_history_steps=2",
-                                                 "trainer.save_freq=-1", "trainer.test_freq=-1", "trainer.val_before_train=false"))
-    flow_run_id = MlflowClient(result["tracking_uri"]).get_run(result["run_id"]).data.tags["ppoflow.prefect_flow_run_id"]
+    result = train(
+        overrides=small_run_overrides(
+            tmp_path,
+            demo_cache,
+            "trainer.total_training_steps=8",
+            "trainer.prefect_history_steps=2",
+            "trainer.save_freq=-1",
+            "trainer.test_freq=-1",
+            "trainer.val_before_train=false",
+        )
+    )
+    flow_run_id = (
+        MlflowClient(result["tracking_uri"]).get_run(result["run_id"]).data.tags["ppoflow.prefect_flow_run_id"]
+    )
 
     def generate_starts() -> list:
         with get_client(sync_client=True) as client:

@@ -17,7 +17,7 @@ CODE_FOLDERS = ("rl_core", "flows", "infra")
 
 def leaf_keys(node: DictConfig, prefix: str = "") -> list[str]:
     keys = []
-    for key in node.keys():
+    for key in node:
         value = node._get_node(key)
         name = f"{prefix}{key}"
         if isinstance(value, DictConfig) and OmegaConf.get_type(value) is not dict:
@@ -31,9 +31,18 @@ def test_every_key_is_read_by_the_code():
     """A key that no code reads is accepted and then ignored: each leaf's name must be read (``.name`` or ``"name"``)
     somewhere outside the dataclasses that declare it (the value checks count: ``strategy`` and ``hybrid_engine``
     exist for verl's override strings and only accept the one mode ppoflow builds)."""
-    code = "".join(path.read_text() for folder in CODE_FOLDERS for path in (ROOT / folder).rglob("*.py") if path != ROOT / "rl_core" / "config.py")
+    code = "".join(
+        path.read_text()
+        for folder in CODE_FOLDERS
+        for path in (ROOT / folder).rglob("*.py")
+        if path != ROOT / "rl_core" / "config.py"
+    )
     code += inspect.getsource(check_config) + repr(CHOICES)
-    unread = [key for key in leaf_keys(default_config()) if not re.search(rf"(\.{key.rsplit('.', 1)[-1]}\b|[\"']{key.rsplit('.', 1)[-1]}[\"'])", code)]
+    unread = [
+        key
+        for key in leaf_keys(default_config())
+        if not re.search(rf"(\.{key.rsplit('.', 1)[-1]}\b|[\"']{key.rsplit('.', 1)[-1]}[\"'])", code)
+    ]
     assert unread == []
 
 
@@ -58,29 +67,43 @@ def test_code_takes_its_defaults_from_the_schema():
     assert config.data.filter_overlong_prompts is False
 
 
-@pytest.mark.parametrize("override,message", [
-    ("trainer.total_trainin_steps=3", "unknown config key 'trainer.total_trainin_steps'"),
-    ("+data.access_key=abc", "unknown config key 'data.access_key'"),
-    ("data.train_batch_size=many", "data.train_batch_size: expected int, got 'many'"),
-    ("actor_rollout_ref.actor.use_kl_loss=maybe", "actor_rollout_ref.actor.use_kl_loss: expected bool"),
-    ("data.train_batch_size=null", "data.train_batch_size"),
-    ("trainer.total_training_steps=-5", "trainer.total_training_steps=-5: must be > 0"),
-    ("actor_rollout_ref.rollout.n=0", "actor_rollout_ref.rollout.n=0: must be > 0"),
-    ("actor_rollout_ref.actor.optim.lr=nan", "actor_rollout_ref.actor.optim.lr=nan: must be a finite number > 0"),
-    ("trainer.device=tpu", "trainer.device='tpu': choose one of auto, cpu, cuda"),
-    ("actor_rollout_ref.actor.strategy=megatron", "actor_rollout_ref.actor.strategy='megatron': choose one of fsdp, fsdp2"),
-    ("actor_rollout_ref.hybrid_engine=false", "only the hybrid engine"),
-    ("actor_rollout_ref.actor.ppo_mini_batch_size=64", "cannot be larger than the step's batch"),
-    ("actor_rollout_ref.actor.clip_ratio_c=1.0", "actor_rollout_ref.actor.clip_ratio_c=1.0: the dual-clip bound must be greater than 1"),
-    ("trainer.experiment_name=run-hf_" + "Q" * 30, "trainer.experiment_name holds a token or a password ('run-***')"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("trainer.total_trainin_steps=3", "unknown config key 'trainer.total_trainin_steps'"),
+        ("+data.access_key=abc", "unknown config key 'data.access_key'"),
+        ("data.train_batch_size=many", "data.train_batch_size: expected int, got 'many'"),
+        ("actor_rollout_ref.actor.use_kl_loss=maybe", "actor_rollout_ref.actor.use_kl_loss: expected bool"),
+        ("data.train_batch_size=null", "data.train_batch_size"),
+        ("trainer.total_training_steps=-5", "trainer.total_training_steps=-5: must be > 0"),
+        ("actor_rollout_ref.rollout.n=0", "actor_rollout_ref.rollout.n=0: must be > 0"),
+        ("actor_rollout_ref.actor.optim.lr=nan", "actor_rollout_ref.actor.optim.lr=nan: must be a finite number > 0"),
+        ("trainer.device=tpu", "trainer.device='tpu': choose one of auto, cpu, cuda"),
+        (
+            "actor_rollout_ref.actor.strategy=megatron",
+            "actor_rollout_ref.actor.strategy='megatron': choose one of fsdp, fsdp2",
+        ),
+        ("actor_rollout_ref.hybrid_engine=false", "only the hybrid engine"),
+        ("actor_rollout_ref.actor.ppo_mini_batch_size=64", "cannot be larger than the step's batch"),
+        (
+            "actor_rollout_ref.actor.clip_ratio_c=1.0",
+            "actor_rollout_ref.actor.clip_ratio_c=1.0: the dual-clip bound must be greater than 1",
+        ),
+        (
+            "trainer.experiment_name=run-hf_" + "Q" * 30,
+            "trainer.experiment_name holds a token or a password ('run-***')",
+        ),
+    ],
+)
 def test_bad_values_are_refused_naming_the_key(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         compose_config([override])
 
 
 def test_dict_fields_take_keys_of_their_own():
-    config = compose_config(["+custom_reward_function.reward_kwargs.bonus=2", "+actor_rollout_ref.model.override_config.rope_theta=5.0"])
+    config = compose_config(
+        ["+custom_reward_function.reward_kwargs.bonus=2", "+actor_rollout_ref.model.override_config.rope_theta=5.0"]
+    )
     assert config.custom_reward_function.reward_kwargs.bonus == 2
     assert config.actor_rollout_ref.model.override_config.rope_theta == 5.0
 
@@ -101,9 +124,17 @@ def test_schema_file_is_where_the_readme_says():
 
 
 def test_skipping_the_old_log_prob_pass_needs_one_epoch_and_one_mini_batch():
-    base = ["actor_rollout_ref.actor.recompute_old_log_prob=false", "data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=16"]
+    base = [
+        "actor_rollout_ref.actor.recompute_old_log_prob=false",
+        "data.train_batch_size=16",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+    ]
     assert compose_config(base).actor_rollout_ref.actor.recompute_old_log_prob is False
-    for extra in ("actor_rollout_ref.actor.ppo_epochs=2", "actor_rollout_ref.actor.ppo_mini_batch_size=8", "algorithm.use_kl_in_reward=true"):
+    for extra in (
+        "actor_rollout_ref.actor.ppo_epochs=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        "algorithm.use_kl_in_reward=true",
+    ):
         with pytest.raises(ConfigError, match="recompute_old_log_prob=false needs ppo_epochs=1"):
             compose_config([*base, extra])
 
@@ -111,10 +142,18 @@ def test_skipping_the_old_log_prob_pass_needs_one_epoch_and_one_mini_batch():
 def test_paths_are_made_absolute_against_the_working_folder(tmp_path, monkeypatch):
     """Workers on a persistent cluster run in the cluster's folder: a relative path there names another file."""
     monkeypatch.chdir(tmp_path)
-    config = compose_config(["data.train_files=[a.parquet,b.parquet]", "actor_rollout_ref.model.path=models/mine",
-                             "custom_reward_function.path='~/reward.py'"])
+    config = compose_config(
+        [
+            "data.train_files=[a.parquet,b.parquet]",
+            "actor_rollout_ref.model.path=models/mine",
+            "custom_reward_function.path='~/reward.py'",
+        ]
+    )
     assert list(config.data.train_files) == [str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")]
     assert config.actor_rollout_ref.model.path == config.critic.model.path == str(tmp_path / "models" / "mine")
     assert config.custom_reward_function.path == str(Path("~/reward.py").expanduser())
-    assert config.trainer.cache_dir == str(tmp_path / ".ppoflow") and config.trainer.tracking_uri == f"sqlite:///{tmp_path}/mlflow.db"
+    assert (
+        config.trainer.cache_dir == str(tmp_path / ".ppoflow")
+        and config.trainer.tracking_uri == f"sqlite:///{tmp_path}/mlflow.db"
+    )
     assert config.trainer.default_local_dir == str(tmp_path / "checkpoints" / "ppoflow" / "demo")

@@ -9,8 +9,10 @@ from tests.conftest import small_run_overrides
 @pytest.fixture()
 def run_overrides(tmp_path, demo_cache, ray_address, prefect_api):
     """Small, fast settings in a per-test folder; tests add their own overrides."""
+
     def make(*extra: str, folder=None) -> list[str]:
         return small_run_overrides(folder or tmp_path, demo_cache, *extra)
+
     return make
 
 

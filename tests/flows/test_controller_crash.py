@@ -24,12 +24,19 @@ COMPARED = ("actor/pg_loss", "actor/entropy", "critic/score/mean", "actor/grad_n
 
 
 def run_actors(run_id: str) -> list[str]:
-    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == run_namespace(run_id)]
+    return [
+        a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == run_namespace(run_id)
+    ]
 
 
 def test_a_killed_controller_is_replaced_by_one_that_reattaches(tmp_path, demo_cache, ray_address, prefect_api):
-    settings = ("trainer.total_training_steps=4", "trainer.save_freq=1", "trainer.test_freq=-1", "trainer.val_before_train=false",
-                f"trainer.ray.address={ray_address}")
+    settings = (
+        "trainer.total_training_steps=4",
+        "trainer.save_freq=1",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
+        f"trainer.ray.address={ray_address}",
+    )
     overrides = small_run_overrides(tmp_path / "crashed", demo_cache, *settings)
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
     command = [sys.executable, "-m", "flows.cli", "train", *overrides]
@@ -57,15 +64,23 @@ def test_a_killed_controller_is_replaced_by_one_that_reattaches(tmp_path, demo_c
     assert run_actors(run_id) == []  # a finished run ends its workers
 
     straight = train(overrides=small_run_overrides(tmp_path / "straight", demo_cache, *settings))
-    crashed_history, straight_history = metric_history(result["tracking_uri"], run_id), metric_history(straight["tracking_uri"], straight["run_id"])
+    crashed_history, straight_history = (
+        metric_history(result["tracking_uri"], run_id),
+        metric_history(straight["tracking_uri"], straight["run_id"]),
+    )
     for name in COMPARED:
-        assert crashed_history[name] == straight_history[name], name  # every step once, with the uninterrupted run's values
+        assert crashed_history[name] == straight_history[name], (
+            name
+        )  # every step once, with the uninterrupted run's values
 
 
 @pytest.fixture()
 def raising_reward(tmp_path) -> Path:
     path = tmp_path / "raising_reward.py"
-    path.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    raise RuntimeError('scorer bug')\n")
+    path.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    raise RuntimeError('scorer "
+        "bug')\n"
+    )
     return path
 
 
@@ -76,25 +91,51 @@ def failed_run_id(tracking_uri: str) -> str:
     return run.info.run_id
 
 
-def test_a_failed_run_on_a_persistent_cluster_keeps_its_workers_until_killed(tmp_path, demo_cache, ray_address, prefect_api, raising_reward):
-    overrides = small_run_overrides(tmp_path, demo_cache, f"custom_reward_function.path={raising_reward}", "trainer.val_before_train=false")
+def test_a_failed_run_on_a_persistent_cluster_keeps_its_workers_until_killed(
+    tmp_path, demo_cache, ray_address, prefect_api, raising_reward
+):
+    overrides = small_run_overrides(
+        tmp_path, demo_cache, f"custom_reward_function.path={raising_reward}", "trainer.val_before_train=false"
+    )
     with pytest.raises(RuntimeError, match="scorer bug"):
         train(overrides=overrides)
     run_id = failed_run_id(f"sqlite:///{tmp_path}/mlflow.db")
     assert run_actors(run_id) == ["workers-rank0"]  # kept for the next controller of this run
     [listed] = [g for g in worker_groups(f"sqlite:///{tmp_path}/mlflow.db") if g.run_id == run_id]
-    assert listed.ranks == 1 and len(listed.pids) == 1 and listed.resources.get("CPU") == 1.0 and listed.run_status == "FAILED"
+    assert (
+        listed.ranks == 1
+        and len(listed.pids) == 1
+        and listed.resources.get("CPU") == 1.0
+        and listed.run_status == "FAILED"
+    )
     assert kill_worker_group(run_id) == 1
-    assert run_actors(run_id) == [] and not [g for g in ray.util.placement_group_table().values()
-                                              if g["name"].startswith(run_namespace(run_id)) and g["state"] != "REMOVED"]
+    assert run_actors(run_id) == [] and not [
+        g
+        for g in ray.util.placement_group_table().values()
+        if g["name"].startswith(run_namespace(run_id)) and g["state"] != "REMOVED"
+    ]
 
 
-def test_with_keep_workers_false_a_failed_run_leaves_nothing(tmp_path, demo_cache, ray_address, prefect_api, raising_reward):
-    overrides = small_run_overrides(tmp_path, demo_cache, f"custom_reward_function.path={raising_reward}", "trainer.val_before_train=false",
-                                    "trainer.keep_workers=false")
+def test_with_keep_workers_false_a_failed_run_leaves_nothing(
+    tmp_path, demo_cache, ray_address, prefect_api, raising_reward
+):
+    overrides = small_run_overrides(
+        tmp_path,
+        demo_cache,
+        f"custom_reward_function.path={raising_reward}",
+        "trainer.val_before_train=false",
+        "trainer.keep_workers=false",
+    )
     with pytest.raises(RuntimeError, match="scorer bug"):
         train(overrides=overrides)
     run_id = failed_run_id(f"sqlite:///{tmp_path}/mlflow.db")
     assert run_actors(run_id) == []
-    assert not [g for g in ray.util.placement_group_table().values() if g["name"].startswith(run_namespace(run_id)) and g["state"] != "REMOVED"]
-    assert all(not a["namespace"].startswith(NAMESPACE_PREFIX + run_id) for a in ray.util.list_named_actors(all_namespaces=True))
+    assert not [
+        g
+        for g in ray.util.placement_group_table().values()
+        if g["name"].startswith(run_namespace(run_id)) and g["state"] != "REMOVED"
+    ]
+    assert all(
+        not a["namespace"].startswith(NAMESPACE_PREFIX + run_id)
+        for a in ray.util.list_named_actors(all_namespaces=True)
+    )

@@ -22,7 +22,11 @@ CRON = "0 2 * * *"
 
 def form_overrides(folder: Path, demo_cache: Path, *extra: str) -> list[str]:
     """The small run's overrides without the keys the tests set through the form."""
-    return [o for o in small_run_overrides(folder, demo_cache, *extra) if not o.startswith(("trainer.total_training_steps=", "trainer.test_freq="))]
+    return [
+        o
+        for o in small_run_overrides(folder, demo_cache, *extra)
+        if not o.startswith(("trainer.total_training_steps=", "trainer.test_freq="))
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +34,16 @@ def served(prefect_api, ray_address, tmp_path_factory):
     """`ppoflow serve` in a subprocess (flow runs go to the session's Ray head), until the module's tests are done."""
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "RAY_ADDRESS": ray_address}
-    command = [sys.executable, "-m", "flows.cli", "serve", "--sweep-cron", CRON, "--sweep-overrides", "algorithm.adv_estimator=grpo,rloo"]
+    command = [
+        sys.executable,
+        "-m",
+        "flows.cli",
+        "serve",
+        "--sweep-cron",
+        CRON,
+        "--sweep-overrides",
+        "algorithm.adv_estimator=grpo,rloo",
+    ]
     with open(log, "w") as output:
         process = subprocess.Popen(command, env=env, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT)
     try:
@@ -38,7 +51,10 @@ def served(prefect_api, ray_address, tmp_path_factory):
             deadline = time.monotonic() + 120
             while True:
                 try:
-                    found = {name: client.read_deployment_by_name(f"ppoflow-{name}/{name}") for name in ("train", "evaluate", "sweep")}
+                    found = {
+                        name: client.read_deployment_by_name(f"ppoflow-{name}/{name}")
+                        for name in ("train", "evaluate", "sweep")
+                    }
                     if all(d.status.value == "READY" for d in found.values()):
                         break
                 except Exception:
@@ -70,7 +86,10 @@ def flow_run_logs(client, flow_run_id, until, timeout_s: float = 60) -> list[str
     run's final state) or after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while True:
-        messages = [entry.message for entry in client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))]
+        messages = [
+            entry.message
+            for entry in client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+        ]
         if until(messages) or time.monotonic() > deadline:
             return messages
         time.sleep(1)
@@ -85,7 +104,9 @@ def test_the_deployments_and_their_forms(served):
     batch_size = next(option for option in form["batch_size"]["anyOf"] if option.get("type") == "integer")
     assert batch_size["exclusiveMinimum"] == 0 and "data.train_batch_size" in form["batch_size"]["description"]
     algorithms = next(option["enum"] for option in form["algorithm"]["anyOf"] if "enum" in option)
-    assert "grpo" in algorithms and form["algorithm"]["default"] is None  # empty: the config's (the demo profile's grpo here)
+    assert (
+        "grpo" in algorithms and form["algorithm"]["default"] is None
+    )  # empty: the config's (the demo profile's grpo here)
     assert train.concurrency_limit == 1 or train.global_concurrency_limit.limit == 1  # one training run at a time
     sweep = found["sweep"]
     assert [s.schedule.cron for s in sweep.schedules] == [CRON]
@@ -103,20 +124,43 @@ def test_an_invalid_form_value_is_refused_before_a_run_exists(served):
 
 def test_a_run_from_the_form_trains_and_shows_its_progress_in_prefect(served, tmp_path, demo_cache):
     client, found, log = served
-    settings = {"algorithm": "rloo", "run_name": "from-the-form", "learning_rate": 2e-5, "total_steps": 2, "test_freq": 2}
-    flow_run = client.create_flow_run_from_deployment(found["train"].id, parameters={"settings": settings, "overrides": form_overrides(tmp_path, demo_cache)})
+    settings = {
+        "algorithm": "rloo",
+        "run_name": "from-the-form",
+        "learning_rate": 2e-5,
+        "total_steps": 2,
+        "test_freq": 2,
+    }
+    flow_run = client.create_flow_run_from_deployment(
+        found["train"].id, parameters={"settings": settings, "overrides": form_overrides(tmp_path, demo_cache)}
+    )
     flow_run = wait_final(client, flow_run.id)
     assert flow_run.state.is_completed(), f"{flow_run.state.message}\n{log.read_text()[-3000:]}"
     mlflow = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
-    [run] = mlflow.search_runs(mlflow.get_experiment_by_name("ppoflow").experiment_id, f"tags.`ppoflow.prefect_flow_run_id` = '{flow_run.id}'")
+    [run] = mlflow.search_runs(
+        mlflow.get_experiment_by_name("ppoflow").experiment_id, f"tags.`ppoflow.prefect_flow_run_id` = '{flow_run.id}'"
+    )
     params = run.data.params
-    assert (params["algorithm.adv_estimator"], float(params["actor_rollout_ref.actor.optim.lr"]), params["trainer.experiment_name"]) == ("rloo", 2e-5, "from-the-form")
+    assert (
+        params["algorithm.adv_estimator"],
+        float(params["actor_rollout_ref.actor.optim.lr"]),
+        params["trainer.experiment_name"],
+    ) == ("rloo", 2e-5, "from-the-form")
     assert run.info.status == "FINISHED" and run.data.metrics["training/global_step"] == 2
     # the Prefect UI's view: per-step lines in the Logs tab, the MLflow link, the checkpoints, the progress
     logs = flow_run_logs(client, flow_run.id, until=lambda lines: any(m.startswith("step 2/2 | score") for m in lines))
-    assert any(m.startswith("step 1/2 | score") for m in logs) and any(m.startswith("step 2/2 | score") and "| val " in m for m in logs)
-    artifacts = {a.key: a for a in client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id])))}
-    assert run.info.run_id in artifacts["mlflow-run"].data and artifacts["mlflow-run"].type == "markdown"  # a link renders as markdown
+    assert any(m.startswith("step 1/2 | score") for m in logs) and any(
+        m.startswith("step 2/2 | score") and "| val " in m for m in logs
+    )
+    artifacts = {
+        a.key: a
+        for a in client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id]))
+        )
+    }
+    assert (
+        run.info.run_id in artifacts["mlflow-run"].data and artifacts["mlflow-run"].type == "markdown"
+    )  # a link renders as markdown
     assert str(tmp_path / "checkpoints") in artifacts["checkpoints"].data
     assert artifacts["training-progress"].type == "progress" and float(artifacts["training-progress"].data) == 100.0
     assert artifacts["training-progress"].description.startswith("step 2/2 | score")
@@ -125,7 +169,9 @@ def test_a_run_from_the_form_trains_and_shows_its_progress_in_prefect(served, tm
 def test_a_failed_run_says_why_in_one_line(served, tmp_path, demo_cache):
     client, found, _ = served
     settings = {"reward_function_path": str(tmp_path / "no_such_reward.py"), "total_steps": 1}
-    flow_run = client.create_flow_run_from_deployment(found["train"].id, parameters={"settings": settings, "overrides": form_overrides(tmp_path, demo_cache)})
+    flow_run = client.create_flow_run_from_deployment(
+        found["train"].id, parameters={"settings": settings, "overrides": form_overrides(tmp_path, demo_cache)}
+    )
     flow_run = wait_final(client, flow_run.id)
     assert flow_run.state.is_failed()
     assert "no_such_reward.py" in flow_run.state.message and "\n" not in flow_run.state.message
@@ -133,8 +179,12 @@ def test_a_failed_run_says_why_in_one_line(served, tmp_path, demo_cache):
 
 def test_a_served_sweep_runs_its_children_as_the_train_deployment(served, tmp_path, demo_cache):
     client, found, log = served
-    overrides = small_run_overrides(tmp_path, demo_cache, "trainer.total_training_steps=1", "trainer.test_freq=-1") + ["algorithm.adv_estimator=grpo,rloo"]
-    flow_run = client.create_flow_run_from_deployment(found["sweep"].id, parameters={"overrides": overrides, "name": "served-sweep"})
+    overrides = small_run_overrides(tmp_path, demo_cache, "trainer.total_training_steps=1", "trainer.test_freq=-1") + [
+        "algorithm.adv_estimator=grpo,rloo"
+    ]
+    flow_run = client.create_flow_run_from_deployment(
+        found["sweep"].id, parameters={"overrides": overrides, "name": "served-sweep"}
+    )
     flow_run = wait_final(client, flow_run.id, timeout_s=400)
     assert flow_run.state.is_completed(), f"{flow_run.state.message}\n{log.read_text()[-3000:]}"
     mlflow = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")

@@ -18,14 +18,26 @@ from flows.prefect_view import one_line
 from flows.train import train
 from flows.workers import run_namespace
 from rl_core.algos import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
-from rl_core.models.folder import ModelLoadError
 from rl_core.models.families import FAMILIES
+from rl_core.models.folder import ModelLoadError
 from rl_core.models.tiny import make_tiny_model
 from rl_core.step_checkpoint import StepCheckpoints
 from tests.flows.conftest import metric_history
 
-VERL_NAMES = ("actor/pg_loss", "actor/entropy", "actor/ppo_kl", "actor/pg_clipfrac", "actor/grad_norm", "critic/score/mean",
-              "critic/rewards/mean", "critic/advantages/mean", "response_length/mean", "timing_s/gen", "perf/throughput", "perf/time_per_step")
+VERL_NAMES = (
+    "actor/pg_loss",
+    "actor/entropy",
+    "actor/ppo_kl",
+    "actor/pg_clipfrac",
+    "actor/grad_norm",
+    "critic/score/mean",
+    "critic/rewards/mean",
+    "critic/advantages/mean",
+    "response_length/mean",
+    "timing_s/gen",
+    "perf/throughput",
+    "perf/time_per_step",
+)
 
 
 def test_grpo_three_steps(run_overrides, tmp_path):
@@ -36,7 +48,9 @@ def test_grpo_three_steps(run_overrides, tmp_path):
     for name in VERL_NAMES:
         assert sorted(history[name]) == [1, 2, 3], name
     assert all(len(values) == 1 for steps in history.values() for values in steps.values())  # each step once
-    assert "val-core/ppoflow/addition/acc/mean_at_1" in history and sorted(history["val-core/ppoflow/addition/acc/mean_at_1"]) == [0, 3]
+    assert "val-core/ppoflow/addition/acc/mean_at_1" in history and sorted(
+        history["val-core/ppoflow/addition/acc/mean_at_1"]
+    ) == [0, 3]
     assert "critic/vf_loss" not in history  # grpo: no critic
     client = MlflowClient(result["tracking_uri"])
     run = client.get_run(result["run_id"])
@@ -45,7 +59,11 @@ def test_grpo_three_steps(run_overrides, tmp_path):
     artifacts = {a.path for a in client.list_artifacts(result["run_id"])}
     assert {"config", "model", "samples"} <= artifacts
     model_files = {Path(a.path).name for a in client.list_artifacts(result["run_id"], "model")}
-    assert {"model.safetensors", "config.json", "tokenizer.json"} <= model_files and "state.safetensors" not in model_files  # no optimizer state
+    assert {
+        "model.safetensors",
+        "config.json",
+        "tokenizer.json",
+    } <= model_files and "state.safetensors" not in model_files  # no optimizer state
     assert client.get_latest_versions("ppoflow-tiny")[0].run_id == result["run_id"]
     # the final checkpoint is a plain HF checkpoint
     model = AutoModelForCausalLM.from_pretrained(Path(result["checkpoint_dir"]) / "actor")
@@ -54,10 +72,21 @@ def test_grpo_three_steps(run_overrides, tmp_path):
 
 
 def test_ppo_with_a_critic_three_steps(run_overrides):
-    result = train(overrides=run_overrides("algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=false",
-                                 "algorithm.use_kl_in_reward=true"))
+    result = train(
+        overrides=run_overrides(
+            "algorithm.adv_estimator=gae",
+            "actor_rollout_ref.actor.use_kl_loss=false",
+            "algorithm.use_kl_in_reward=true",
+        )
+    )
     history = metric_history(result["tracking_uri"], result["run_id"])
-    for name in ("critic/vf_loss", "critic/vf_clipfrac", "critic/values/mean", "critic/returns/mean", "actor/reward_kl_penalty"):
+    for name in (
+        "critic/vf_loss",
+        "critic/vf_clipfrac",
+        "critic/values/mean",
+        "critic/returns/mean",
+        "actor/reward_kl_penalty",
+    ):
         assert sorted(history[name]) == [1, 2, 3], name
     assert (Path(result["checkpoint_dir"]) / "critic" / "state.safetensors").exists()
 
@@ -67,9 +96,14 @@ def test_resume_gives_the_same_run_as_training_straight(run_overrides, tmp_path)
     settings = ("trainer.test_freq=2", "trainer.val_before_train=false")
     full = train(overrides=run_overrides("trainer.total_training_steps=4", *settings, folder=straight))
     first = train(overrides=run_overrides("trainer.total_training_steps=2", *settings, folder=split))
-    second = train(overrides=run_overrides("trainer.total_training_steps=4", "trainer.resume_mode=auto", *settings, folder=split))
+    second = train(
+        overrides=run_overrides("trainer.total_training_steps=4", "trainer.resume_mode=auto", *settings, folder=split)
+    )
     assert second["run_id"] == first["run_id"]  # the same MLflow run continues
-    a, b = metric_history(full["tracking_uri"], full["run_id"]), metric_history(second["tracking_uri"], second["run_id"])
+    a, b = (
+        metric_history(full["tracking_uri"], full["run_id"]),
+        metric_history(second["tracking_uri"], second["run_id"]),
+    )
     compared = [k for k in a if not k.startswith(("timing_s/", "perf/"))]
     assert "actor/pg_loss" in compared and "val-core/ppoflow/addition/acc/mean_at_1" in compared
     for key in compared:
@@ -88,7 +122,9 @@ def test_a_worker_killed_during_step_two_is_replaced(run_overrides, tmp_path):
             for experiment in client.search_experiments():
                 for run in client.search_runs([experiment.experiment_id]):
                     if run.data.metrics.get("training/global_step", 0) >= 1:
-                        ray.kill(ray.get_actor("workers-rank0", namespace=run_namespace(run.info.run_id)), no_restart=True)
+                        ray.kill(
+                            ray.get_actor("workers-rank0", namespace=run_namespace(run.info.run_id)), no_restart=True
+                        )
                         killed.append(run.info.run_id)
                         return
             time.sleep(0.2)
@@ -131,10 +167,13 @@ def test_a_dangling_pointer_is_an_error_not_a_fresh_start(run_overrides, tmp_pat
         train(overrides=run_overrides())
 
 
-@pytest.mark.parametrize("override,message", [
-    ("trainer.total_trainin_steps=3", "unknown config key 'trainer.total_trainin_steps'"),
-    ("data.train_batch_size=many", "data.train_batch_size: expected int"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("trainer.total_trainin_steps=3", "unknown config key 'trainer.total_trainin_steps'"),
+        ("data.train_batch_size=many", "data.train_batch_size: expected int"),
+    ],
+)
 def test_bad_config_fails_before_any_worker_starts(run_overrides, override, message):
     before = {(a["namespace"], a["name"]) for a in ray.util.list_named_actors(all_namespaces=True)}
     started = time.monotonic()
@@ -147,20 +186,32 @@ def test_bad_config_fails_before_any_worker_starts(run_overrides, override, mess
 def test_dynamic_sampling_runs_in_the_flow(run_overrides):
     """The filtering itself is checked on the finished batch in tests/rl_core/test_workers.py; here: the flow path
     runs it and reports the generation batches it needed."""
-    result = train(overrides=run_overrides("algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=8",
-                                 "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=-1"))
+    result = train(
+        overrides=run_overrides(
+            "algorithm.filter_groups.enable=true",
+            "algorithm.filter_groups.max_num_gen_batches=8",
+            "trainer.total_training_steps=2",
+            "trainer.val_before_train=false",
+            "trainer.test_freq=-1",
+        )
+    )
     history = metric_history(result["tracking_uri"], result["run_id"])
     assert sorted(history["train/num_gen_batches"]) == [1, 2]
-    # every generation batch draws train_batch_size prompts: the sampler position saved at step 2 says how many were drawn
+    # every generation batch draws train_batch_size prompts: the sampler position saved at step 2 says how many were
+    # drawn
     state = StepCheckpoints(Path(result["checkpoint_dir"]).parent).trainer_state(Path(result["checkpoint_dir"]))
     drawn = state["sampler"]["epoch"] * 16 + state["sampler"]["batch_in_epoch"]  # 64 rows / 4 = 16 batches per epoch
     assert drawn == sum(values[0] for values in history["train/num_gen_batches"].values())
 
 
 POLICY_LOSS_FOR = dict(itertools.zip_longest(sorted(ADVANTAGE_ESTIMATORS), sorted(POLICY_LOSSES), fillvalue="vanilla"))
-FAMILY_FOR = dict(zip(sorted(ADVANTAGE_ESTIMATORS), itertools.cycle(sorted(FAMILIES))))  # each estimator on a model family
-DIGIT_SHARE = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n" \
-              "    return sum(c.isdigit() for c in solution_str) / (len(solution_str) + 1)\n"
+FAMILY_FOR = dict(
+    zip(sorted(ADVANTAGE_ESTIMATORS), itertools.cycle(sorted(FAMILIES)))
+)  # each estimator on a model family
+DIGIT_SHARE = (
+    "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return sum(c.isdigit() for c in "
+    "solution_str) / (len(solution_str) + 1)\n"
+)
 
 
 @pytest.fixture(scope="module")
@@ -180,36 +231,69 @@ def test_every_estimator_and_policy_loss_trains_two_steps(run_overrides, estimat
     loss_mode, family = POLICY_LOSS_FOR[estimator], FAMILY_FOR[estimator]
     reward = tmp_path / "digit_share.py"
     reward.write_text(DIGIT_SHARE)
-    result = train(overrides=run_overrides("+profile=demo", f"actor_rollout_ref.model.path={family_models[family]}",
-                                           f"custom_reward_function.path={reward}", f"algorithm.adv_estimator={estimator}",
-                                           f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}", "trainer.total_training_steps=2",
-                                           "trainer.val_before_train=false", "trainer.test_freq=-1"))
+    result = train(
+        overrides=run_overrides(
+            "+profile=demo",
+            f"actor_rollout_ref.model.path={family_models[family]}",
+            f"custom_reward_function.path={reward}",
+            f"algorithm.adv_estimator={estimator}",
+            f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}",
+            "trainer.total_training_steps=2",
+            "trainer.val_before_train=false",
+            "trainer.test_freq=-1",
+        )
+    )
     history = metric_history(result["tracking_uri"], result["run_id"])
     assert sorted(history["actor/pg_loss"]) == [1, 2]
     assert all(math.isfinite(v[0]) for v in history["actor/pg_loss"].values())
-    assert any(v[0] != 0 for v in history["critic/advantages/max"].values())  # the scores differ: something to learn from
+    assert any(
+        v[0] != 0 for v in history["critic/advantages/max"].values()
+    )  # the scores differ: something to learn from
     params = MlflowClient(result["tracking_uri"]).get_run(result["run_id"]).data.params
-    assert (params["algorithm.adv_estimator"], params["actor_rollout_ref.actor.policy_loss.loss_mode"]) == (estimator, loss_mode)
+    assert (params["algorithm.adv_estimator"], params["actor_rollout_ref.actor.policy_loss.loss_mode"]) == (
+        estimator,
+        loss_mode,
+    )
     assert ("critic/vf_loss" in history) == (estimator == "gae")
-    assert AutoModelForCausalLM.from_pretrained(Path(result["checkpoint_dir"]) / "actor").config.model_type == FAMILIES[family][0]
+    assert (
+        AutoModelForCausalLM.from_pretrained(Path(result["checkpoint_dir"]) / "actor").config.model_type
+        == FAMILIES[family][0]
+    )
 
 
 def test_reward_model_lora_critic_warmup_and_resume_from_a_path(run_overrides, tmp_path, tiny_model_path):
     rm_path = tmp_path / "rm"
     AutoModelForSequenceClassification.from_pretrained(tiny_model_path, num_labels=1).save_pretrained(rm_path)
     AutoTokenizer.from_pretrained(tiny_model_path).save_pretrained(rm_path)
-    settings = ("+profile=demo", f"actor_rollout_ref.model.path={tiny_model_path}", "reward_model.enable=true", f"reward_model.model.path={rm_path}",
-                "actor_rollout_ref.model.lora_rank=4", "algorithm.adv_estimator=gae", "trainer.critic_warmup=2",
-                "trainer.val_before_train=false", "trainer.test_freq=2")
+    settings = (
+        "+profile=demo",
+        f"actor_rollout_ref.model.path={tiny_model_path}",
+        "reward_model.enable=true",
+        f"reward_model.model.path={rm_path}",
+        "actor_rollout_ref.model.lora_rank=4",
+        "algorithm.adv_estimator=gae",
+        "trainer.critic_warmup=2",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=2",
+    )
     first = train(overrides=run_overrides("trainer.total_training_steps=2", *settings))
     history = metric_history(first["tracking_uri"], first["run_id"])
-    assert sorted(history["critic/vf_loss"]) == [1, 2] and sorted(history["actor/pg_loss"]) == [2]  # step 1: critic only
+    assert sorted(history["critic/vf_loss"]) == [1, 2] and sorted(history["actor/pg_loss"]) == [
+        2
+    ]  # step 1: critic only
     assert sorted(history["val-core/ppoflow/addition/acc/mean_at_1"]) == [2]
     # the scores are the reward model's (not the 0/1 rule scores of the addition task)
     assert any(v[0] not in (0.0, 1.0) for v in history["critic/score/mean"].values())
     assert (Path(first["checkpoint_dir"]) / "actor" / "adapter_model.safetensors").exists()
     step_one = Path(first["checkpoint_dir"]).parent / "global_step_1"
-    second = train(overrides=run_overrides("trainer.total_training_steps=3", "trainer.resume_mode=resume_path", f"trainer.resume_from_path={step_one}", *settings))
+    second = train(
+        overrides=run_overrides(
+            "trainer.total_training_steps=3",
+            "trainer.resume_mode=resume_path",
+            f"trainer.resume_from_path={step_one}",
+            *settings,
+        )
+    )
     assert second["run_id"] == first["run_id"] and second["step"] == 3
     history = metric_history(second["tracking_uri"], second["run_id"])
     assert sorted(history["actor/pg_loss"]) == [2, 3] and all(len(v) == 1 for v in history["actor/pg_loss"].values())
@@ -221,11 +305,17 @@ def test_a_failure_while_setting_up_marks_the_run_failed_and_frees_the_workers(r
     with pytest.raises(ModelLoadError, match="lora_adapter_path='/no-such-adapter'") as raised:
         train(overrides=run_overrides("actor_rollout_ref.model.lora_adapter_path=/no-such-adapter"))
     assert type(raised.value) is ModelLoadError
-    assert one_line(raised.value).startswith("ModelLoadError: model.lora_adapter_path='/no-such-adapter': no adapter_config.json")
+    assert one_line(raised.value).startswith(
+        "ModelLoadError: model.lora_adapter_path='/no-such-adapter': no adapter_config.json"
+    )
     assert one_line(raised.value).endswith("(raised in stage 'init actor_rollout_ref' by worker workers-rank0)")
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     (run,) = client.search_runs([client.get_experiment_by_name("ppoflow").experiment_id])
     assert run.info.status == "FAILED" and "no-such-adapter" in run.data.tags["ppoflow.error"]
     assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("workers-")]
-    live_groups = [g for g in ray.util.placement_group_table().values() if g["name"].startswith("workers-") and g["state"] != "REMOVED"]
+    live_groups = [
+        g
+        for g in ray.util.placement_group_table().values()
+        if g["name"].startswith("workers-") and g["state"] != "REMOVED"
+    ]
     assert live_groups == []

@@ -20,7 +20,9 @@ ECHO = {"echo": (EchoWorker, ("a",), {}), "other": (EchoWorker, ("b",), {})}
 
 
 def run_python(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
 
 
 def test_an_unreachable_address_fails_within_seconds():
@@ -54,19 +56,25 @@ def test_a_connection_begun_in_the_background_is_the_one_connect_waits_for(ray_a
     assert result.returncode == 0, result.stderr[-2000:]
     assert "foreground: ray address 127.0.0.1:1 did not answer within 2s" in result.stdout
     assert f"connected to {ray_address} in ppoflow-ray-connect 42" in result.stdout
-    assert "SIGTERM handler is not set" not in result.stderr  # Ray's warning about connecting from a thread: not for users
+    assert (
+        "SIGTERM handler is not set" not in result.stderr
+    )  # Ray's warning about connecting from a thread: not for users
 
 
 def test_pool_precheck_names_what_is_missing(ray_address):
-    with pytest.raises(InsufficientResourcesError, match=r"needs 1 node\(s\) with 8 GPU; the cluster's nodes have GPU: 0"):
+    with pytest.raises(
+        InsufficientResourcesError, match=r"needs 1 node\(s\) with 8 GPU; the cluster's nodes have GPU: 0"
+    ):
         ResourcePool("actor_pool", [8], accelerator="GPU").check_fits()
     with pytest.raises(InsufficientResourcesError, match="needs 2 node"):
         ResourcePool("two_nodes", [1, 1]).check_fits()
 
 
 def test_pool_manager_maps_roles_to_pools():
-    manager = ResourcePoolManager([ResourcePool("global_pool", [2]), ResourcePool("reward_pool", [1])],
-                                  {"actor_rollout_ref": "global_pool", "critic": "global_pool", "reward_model": "reward_pool"})
+    manager = ResourcePoolManager(
+        [ResourcePool("global_pool", [2]), ResourcePool("reward_pool", [1])],
+        {"actor_rollout_ref": "global_pool", "critic": "global_pool", "reward_model": "reward_pool"},
+    )
     assert manager.pool_for("critic") is manager.pool_for("actor_rollout_ref")
     assert manager.pool_for("reward_model").world_size == 1
     with pytest.raises(KeyError, match="role 'ref' has no resource pool"):
@@ -77,7 +85,9 @@ def test_pool_manager_maps_roles_to_pools():
 
 @pytest.fixture(scope="module")
 def echo_group(ray_address, worker_env):
-    group = WorkerGroup.create(ResourcePool("echo", [3]), ECHO, prefix="echo-test", namespace="ppoflow-tests", env_vars=worker_env)
+    group = WorkerGroup.create(
+        ResourcePool("echo", [3]), ECHO, prefix="echo-test", namespace="ppoflow-tests", env_vars=worker_env
+    )
     yield group
     group.kill()
 
@@ -101,7 +111,11 @@ def test_dp_dispatch_with_sizes_not_divisible_by_the_world(echo_group, size):
 
 
 def test_a_slow_call_times_out_naming_the_stage_and_workers(echo_group):
-    with pytest.raises(WorkerTimeoutError, match=r"stage 'slow': workers \['echo-test-rank0', 'echo-test-rank1', 'echo-test-rank2'\] did not answer within 1s"):
+    with pytest.raises(
+        WorkerTimeoutError,
+        match=r"stage 'slow': workers \['echo-test-rank0', 'echo-test-rank1', 'echo-test-rank2'\] did not answer "
+        r"within 1s",
+    ):
         echo_group.role("echo").sleep(3, timeout_s=1, stage="slow")
     time.sleep(2.5)  # let the sleeps finish before the next test
 
@@ -114,7 +128,8 @@ def test_a_second_driver_reattaches_to_the_detached_workers(echo_group, ray_addr
         from infra.worker_group import WorkerGroup
         from tests.infra.helpers import EchoWorker
         connect("{ray_address}", namespace="ppoflow-tests")
-        group = WorkerGroup.reattach("echo-test", "ppoflow-tests", {{"echo": (EchoWorker, ("a",), {{}}), "other": (EchoWorker, ("b",), {{}})}})
+        group = WorkerGroup.reattach("echo-test", "ppoflow-tests", {{"echo": (EchoWorker, ("a",), {{}}), "other":
+        (EchoWorker, ("b",), {{}})}})
         print(json.dumps([r["steps_trained"]["echo"] for r in group.health()]))
     """)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -123,7 +138,13 @@ def test_a_second_driver_reattaches_to_the_detached_workers(echo_group, ray_addr
 
 
 def test_killing_a_worker_mid_call_is_a_quick_clear_error(ray_address, worker_env):
-    group = WorkerGroup.create(ResourcePool("doomed", [2]), {"echo": (EchoWorker, (), {})}, prefix="doomed", namespace="ppoflow-tests", env_vars=worker_env)
+    group = WorkerGroup.create(
+        ResourcePool("doomed", [2]),
+        {"echo": (EchoWorker, (), {})},
+        prefix="doomed",
+        namespace="ppoflow-tests",
+        env_vars=worker_env,
+    )
     try:
         ref_holder = []
 
@@ -151,7 +172,8 @@ def test_killing_a_worker_mid_call_is_a_quick_clear_error(ray_address, worker_en
 
 def test_a_simulated_two_node_cluster_places_pools_per_node():
     # a separate driver: ray.cluster_utils.Cluster starts its own head, which this session's driver cannot join
-    result = run_python("""
+    result = run_python(
+        """
         import os
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
         import ray
@@ -170,12 +192,16 @@ def test_a_simulated_two_node_cluster_places_pools_per_node():
         pool = ResourcePool("global_pool", [2, 2], accelerator="fake_gpu")
         group = WorkerGroup.create(pool, {"echo": (EchoWorker, (), {})}, prefix="two-nodes", namespace="t",
                                    env_vars={"PYTHONPATH": os.getcwd()})
-        nodes = ray.get([a.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()) for a in group.actors])
-        print("NODES", nodes[0] == nodes[1], nodes[2] == nodes[3], nodes[0] != nodes[2], sorted(set(nodes)) == sorted({node_a.node_id, node_b.node_id}))
+        nodes = ray.get([a.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()) for a in
+        group.actors])
+        print("NODES", nodes[0] == nodes[1], nodes[2] == nodes[3], nodes[0] != nodes[2], sorted(set(nodes)) ==
+        sorted({node_a.node_id, node_b.node_id}))
         group.kill()
         ray.shutdown()
         cluster.shutdown()
-    """, timeout=240)
+    """,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "NODES True True True True" in result.stdout
     assert "needs 1 node(s) with 3 fake_gpu; the cluster's nodes have fake_gpu: 2, 2, 0" in result.stdout

@@ -1,4 +1,5 @@
-"""Dispatch arithmetic (no Ray): splitting a batch over ranks and collecting the shards back, one row in, one row out."""
+"""Dispatch arithmetic (no Ray): splitting a batch over ranks and collecting the shards back, one row in, one row
+out."""
 
 from collections import Counter
 
@@ -40,9 +41,13 @@ def test_generation_on_a_batch_that_does_not_divide_over_the_ranks_keeps_n_sampl
 
 
 def test_the_ranks_metrics_are_averaged_and_peaks_maxed():
-    per_rank = [{"actor/pg_loss": 1.0, "perf/max_memory_allocated_gb": 3.0, "perf/mfu/actor": 0.2},
-                {"actor/pg_loss": 3.0, "perf/max_memory_allocated_gb": 5.0, "perf/mfu/actor": 0.4}]
-    assert reduce_rank_metrics(per_rank) == pytest.approx({"actor/pg_loss": 2.0, "perf/max_memory_allocated_gb": 5.0, "perf/mfu/actor": 0.3})
+    per_rank = [
+        {"actor/pg_loss": 1.0, "perf/max_memory_allocated_gb": 3.0, "perf/mfu/actor": 0.2},
+        {"actor/pg_loss": 3.0, "perf/max_memory_allocated_gb": 5.0, "perf/mfu/actor": 0.4},
+    ]
+    assert reduce_rank_metrics(per_rank) == pytest.approx(
+        {"actor/pg_loss": 2.0, "perf/max_memory_allocated_gb": 5.0, "perf/mfu/actor": 0.3}
+    )
     _, pad = split_arguments(DP_COMPUTE, 2, (Batch({"x": torch.arange(3)}),), {})
     assert collect_results(DP_COMPUTE, per_rank, pad) == reduce_rank_metrics(per_rank)
 

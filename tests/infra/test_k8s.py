@@ -19,19 +19,48 @@ def by_kind(manifests: dict) -> dict:
     return found
 
 
-@pytest.mark.parametrize("overrides, nodes, gpus, namespace", [
-    ([], 2, 8, "ppoflow"),
-    (["ray.gpu_workers.replicas=1", "ray.gpu_workers.gpus_per_node=1", "namespace=trial", "ray.gpu_workers.memory=96Gi"], 1, 1, "trial"),
-])
+@pytest.mark.parametrize(
+    "overrides, nodes, gpus, namespace",
+    [
+        ([], 2, 8, "ppoflow"),
+        (
+            [
+                "ray.gpu_workers.replicas=1",
+                "ray.gpu_workers.gpus_per_node=1",
+                "namespace=trial",
+                "ray.gpu_workers.memory=96Gi",
+            ],
+            1,
+            1,
+            "trial",
+        ),
+    ],
+)
 def test_the_manifests_follow_the_values(tmp_path, overrides, nodes, gpus, namespace):
-    command = [sys.executable, "-m", "flows.cli", "k8s-render", str(tmp_path), *(["--set", *overrides] if overrides else [])]
+    command = [
+        sys.executable,
+        "-m",
+        "flows.cli",
+        "k8s-render",
+        str(tmp_path),
+        *(["--set", *overrides] if overrides else []),
+    ]
     subprocess.run(command, cwd=ROOT, check=True, capture_output=True, timeout=120)
     manifests = {path.name: list(yaml.safe_load_all(path.read_text())) for path in sorted(tmp_path.glob("*.yaml"))}
     assert manifests == render(load_values(VALUES_FILE, overrides))  # the files are what render() makes
     kinds = by_kind(manifests)
-    assert set(kinds) == {("Namespace", namespace), ("ConfigMap", "postgres-init"), ("StatefulSet", "postgres"), ("Service", "postgres"),
-                          ("Deployment", "prefect"), ("Service", "prefect"), ("Deployment", "mlflow"), ("Service", "mlflow"),
-                          ("RayCluster", "ppoflow-ray"), ("Deployment", "ppoflow-controller")}
+    assert set(kinds) == {
+        ("Namespace", namespace),
+        ("ConfigMap", "postgres-init"),
+        ("StatefulSet", "postgres"),
+        ("Service", "postgres"),
+        ("Deployment", "prefect"),
+        ("Service", "prefect"),
+        ("Deployment", "mlflow"),
+        ("Service", "mlflow"),
+        ("RayCluster", "ppoflow-ray"),
+        ("Deployment", "ppoflow-controller"),
+    }
     assert all(m["metadata"].get("namespace", namespace) == namespace for m in kinds.values())
     ray = kinds[("RayCluster", "ppoflow-ray")]
     assert ray["apiVersion"] == "ray.io/v1"
@@ -41,27 +70,46 @@ def test_the_manifests_follow_the_values(tmp_path, overrides, nodes, gpus, names
     assert worker["resources"]["limits"]["nvidia.com/gpu"] == gpus
     head = ray["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
     for pod in (head, worker):  # batches travel inside the calls, as on the embedded cluster
-        assert {"name": "RAY_max_direct_call_object_size", "value": INLINE_OBJECTS_ENV["RAY_max_direct_call_object_size"]} in pod["env"]
-    assert "nvidia.com/gpu" not in head["resources"]["limits"] and ray["spec"]["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0"
+        assert {
+            "name": "RAY_max_direct_call_object_size",
+            "value": INLINE_OBJECTS_ENV["RAY_max_direct_call_object_size"],
+        } in pod["env"]
+    assert (
+        "nvidia.com/gpu" not in head["resources"]["limits"]
+        and ray["spec"]["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0"
+    )
     # the controller registers the deployments sized to the GPU group and runs them next to the Ray head
     controller = kinds[("Deployment", "ppoflow-controller")]["spec"]["template"]["spec"]["containers"][0]
     script = controller["command"][-1]
-    assert f"trainer.nnodes={nodes} trainer.n_gpus_per_node={gpus}" in script and "prefect worker start --pool ppoflow --type process" in script
+    assert (
+        f"trainer.nnodes={nodes} trainer.n_gpus_per_node={gpus}" in script
+        and "prefect worker start --pool ppoflow --type process" in script
+    )
     env = {e["name"]: e for e in controller["env"]}
-    assert env["RAY_ADDRESS"]["value"] == "ppoflow-ray-head-svc:6379" and env["PREFECT_API_URL"]["value"] == "http://prefect:4200/api"
+    assert (
+        env["RAY_ADDRESS"]["value"] == "ppoflow-ray-head-svc:6379"
+        and env["PREFECT_API_URL"]["value"] == "http://prefect:4200/api"
+    )
     # PostgreSQL behind Prefect and MLflow, artifacts in S3; services cluster-internal
-    prefect_env = {e["name"]: e for e in kinds[("Deployment", "prefect")]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    prefect_env = {
+        e["name"]: e for e in kinds[("Deployment", "prefect")]["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
     assert prefect_env["PREFECT_API_DATABASE_CONNECTION_URL"]["value"].startswith("postgresql+asyncpg://")
     mlflow = kinds[("Deployment", "mlflow")]["spec"]["template"]["spec"]["containers"][0]["command"]
-    assert mlflow[mlflow.index("--backend-store-uri") + 1].startswith("postgresql://") and mlflow[mlflow.index("--artifacts-destination") + 1] == "s3://ppoflow/mlflow"
+    assert (
+        mlflow[mlflow.index("--backend-store-uri") + 1].startswith("postgresql://")
+        and mlflow[mlflow.index("--artifacts-destination") + 1] == "s3://ppoflow/mlflow"
+    )
     assert all(kinds[("Service", name)]["spec"]["type"] == "ClusterIP" for name in ("prefect", "mlflow", "postgres"))
     # no secret value in any manifest: every password and key is a secretKeyRef
     text = yaml.safe_dump_all([m for ms in manifests.values() for m in ms])
     assert "password:" not in text.lower() and text.count("secretKeyRef") >= 8
 
 
-@pytest.mark.parametrize("override, message", [("ray.gpu_workers.replicas=0", "ray.gpu_workers.replicas=0: must be an integer >= 1"),
-                                               ("image=", "set image")])
+@pytest.mark.parametrize(
+    "override, message",
+    [("ray.gpu_workers.replicas=0", "ray.gpu_workers.replicas=0: must be an integer >= 1"), ("image=", "set image")],
+)
 def test_bad_values_are_refused(override, message):
     with pytest.raises(ValueError, match=message):
         load_values(VALUES_FILE, [override])

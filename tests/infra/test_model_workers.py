@@ -33,13 +33,17 @@ def fixed_batch(tmp_path, config):
     batch = local.generate_sequences(prompts.repeat_interleave(config.actor_rollout_ref.rollout.n))
     batch.union(Batch(local.compute_log_prob(batch).tensors))
     batch.union(Batch(local.compute_ref_log_prob(batch).tensors))
-    batch.tensors["advantages"] = torch.randn(len(batch), 1, generator=torch.Generator().manual_seed(0)) * batch.tensors["response_mask"]
+    batch.tensors["advantages"] = (
+        torch.randn(len(batch), 1, generator=torch.Generator().manual_seed(0)) * batch.tensors["response_mask"]
+    )
     return batch
 
 
 def actor_group(config, world, prefix, worker_env):
     specs = {"actor_rollout_ref": (ActorRolloutRefWorker, (config.actor_rollout_ref, "actor_rollout_ref"), {})}
-    group = WorkerGroup.create(ResourcePool(prefix, [world]), specs, prefix=prefix, namespace="ppoflow-tests", env_vars=worker_env)
+    group = WorkerGroup.create(
+        ResourcePool(prefix, [world]), specs, prefix=prefix, namespace="ppoflow-tests", env_vars=worker_env
+    )
     group.role("actor_rollout_ref").init_model()
     return group
 
@@ -70,7 +74,7 @@ def test_one_and_two_ranks_give_the_same_update(ray_address, worker_env, fixed_b
     assert torch.allclose(lp1[mask], fixed_batch.tensors["old_log_probs"][:7][mask], atol=1e-5)
     for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):  # (ppo_kl is a mean of per-micro-batch means)
         assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
-    assert w1.keys() == w2.keys(), (sorted(set(w1) ^ set(w2)))
+    assert w1.keys() == w2.keys(), sorted(set(w1) ^ set(w2))
     for name in w1:
         assert torch.allclose(w1[name], w2[name], atol=1e-5), name
 
@@ -98,9 +102,13 @@ def test_two_ranks_compute_in_bf16_and_keep_fp32_master_weights(ray_address, wor
 
 def test_actor_critic_and_ref_fused_in_one_process(ray_address, worker_env, fixed_batch, config):
     config.algorithm.adv_estimator = "gae"
-    specs = {"actor_rollout_ref": (ActorRolloutRefWorker, (config.actor_rollout_ref, "actor_rollout_ref"), {}),
-             "critic": (CriticWorker, (config.critic,), {})}
-    group = WorkerGroup.create(ResourcePool("fused", [1]), specs, prefix="fused", namespace="ppoflow-tests", env_vars=worker_env)
+    specs = {
+        "actor_rollout_ref": (ActorRolloutRefWorker, (config.actor_rollout_ref, "actor_rollout_ref"), {}),
+        "critic": (CriticWorker, (config.critic,), {}),
+    }
+    group = WorkerGroup.create(
+        ResourcePool("fused", [1]), specs, prefix="fused", namespace="ppoflow-tests", env_vars=worker_env
+    )
     try:
         actor, critic = group.role("actor_rollout_ref"), group.role("critic")
         actor.init_model()
@@ -127,9 +135,11 @@ def test_actor_critic_and_ref_fused_in_one_process(ray_address, worker_env, fixe
 
 
 @pytest.mark.parametrize("loss_agg_mode", ["token-mean", "seq-mean-token-mean"])
-def test_a_batch_that_does_not_divide_over_the_ranks_gives_the_one_rank_update(ray_address, worker_env, fixed_batch, config, tmp_path,
-                                                                                loss_agg_mode):
-    """15 responses over 2 ranks: the dispatcher pads one row, which must weigh nothing (loss, token counts, metrics)."""
+def test_a_batch_that_does_not_divide_over_the_ranks_gives_the_one_rank_update(
+    ray_address, worker_env, fixed_batch, config, tmp_path, loss_agg_mode
+):
+    """15 responses over 2 ranks: the dispatcher pads one row, which must weigh nothing (loss, token counts,
+    metrics)."""
     config.actor_rollout_ref.actor.ppo_mini_batch_size = 4  # x n=4: one mini-batch of all (16 >= 15) responses
     config.actor_rollout_ref.actor.loss_agg_mode = loss_agg_mode
     odd = fixed_batch[list(range(15))]
@@ -149,12 +159,18 @@ def test_a_batch_that_does_not_divide_over_the_ranks_gives_the_one_rank_update(r
         finally:
             group.kill()
     (m1, w1), (m2, w2) = results[1], results[2]
-    for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):  # a padded row with weight would move these by ~1/15
+    for key in (
+        "actor/pg_loss",
+        "actor/kl_loss",
+        "actor/grad_norm",
+    ):  # a padded row with weight would move these by ~1/15
         assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
     assert_same_adam_step(w1, w2, config.actor_rollout_ref.actor.optim.lr)  # 2 ranks sum in another order than 1
 
 
-def test_a_batch_of_prompts_that_does_not_divide_over_two_ranks_keeps_n_samples_per_prompt(ray_address, worker_env, config, tmp_path):
+def test_a_batch_of_prompts_that_does_not_divide_over_two_ranks_keeps_n_samples_per_prompt(
+    ray_address, worker_env, config, tmp_path
+):
     """3 prompts on 2 ranks with n=4: exactly 12 responses, 4 per prompt; GRPO and ReMax (its greedy baseline is one
     row per prompt) train on such a batch, and validation with 4 samples per prompt scores 4 per prompt."""
     config.data.train_batch_size = 3
@@ -167,15 +183,22 @@ def test_a_batch_of_prompts_that_does_not_divide_over_two_ranks_keeps_n_samples_
         sequences = generate(workers, data.collate([0, 1, 2], "p-"), 4)
         assert len(sequences) == 12 and Counter(sequences.non_tensors["uid"]) == {"p-0": 4, "p-1": 4, "p-2": 4}
         sampler = ResumableSampler(len(data), 3, shuffle=False)
-        reward, kl = build_reward_manager(config, load_tokenizer(config.actor_rollout_ref.model.path)), get_kl_controller(config.algorithm.kl_ctrl)
+        reward, kl = (
+            build_reward_manager(config, load_tokenizer(config.actor_rollout_ref.model.path)),
+            get_kl_controller(config.algorithm.kl_ctrl),
+        )
         for step, estimator in enumerate(("grpo", "remax"), start=1):
             config.algorithm.adv_estimator = estimator
             batch, metrics = run_ppo_step(config, workers, data, sampler, reward, kl, step)
             assert len(batch) == 12 and set(Counter(batch.non_tensors["uid"]).values()) == {4}, estimator
             assert "actor/pg_loss" in metrics
         assert batch.tensors["reward_baselines"].shape == (12,)
-        odd = addition_dataset(tmp_path, load_tokenizer(config.actor_rollout_ref.model.path), config.data, count=5, split="val")
-        assert len(generate(workers, odd.collate(list(range(5)), "v-"), 1)) == 5  # 5 rows on 2 ranks: one padding row, removed
+        odd = addition_dataset(
+            tmp_path, load_tokenizer(config.actor_rollout_ref.model.path), config.data, count=5, split="val"
+        )
+        assert (
+            len(generate(workers, odd.collate(list(range(5)), "v-"), 1)) == 5
+        )  # 5 rows on 2 ranks: one padding row, removed
         val_kwargs = {**config.actor_rollout_ref.rollout.val_kwargs, "n": 4, "do_sample": True, "temperature": 1.0}
         metrics = run_validation(config, workers, odd, reward, val_kwargs=val_kwargs)  # 20 rows: 4 per prompt
         assert "val-core/ppoflow/addition/acc/pass@4" in metrics

@@ -16,7 +16,9 @@ from tests.conftest import ROOT, free_port
 
 
 def ppoflow(env: dict, *args: str, timeout: float = 300, cwd=ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def process_group_alive(pgid: int) -> bool:
@@ -34,7 +36,16 @@ def stack_env(tmp_path):
 
 def test_up_status_train_down(stack_env, tmp_path, demo_cache):
     ports = {"prefect": free_port(), "mlflow": free_port(), "ray": free_port()}
-    started = ppoflow(stack_env, "up", "--prefect-port", str(ports["prefect"]), "--mlflow-port", str(ports["mlflow"]), "--ray-port", str(ports["ray"]))
+    started = ppoflow(
+        stack_env,
+        "up",
+        "--prefect-port",
+        str(ports["prefect"]),
+        "--mlflow-port",
+        str(ports["mlflow"]),
+        "--ray-port",
+        str(ports["ray"]),
+    )
     assert started.returncode == 0, started.stdout + started.stderr
     state = json.loads((tmp_path / "home" / "stack.json").read_text())
     services = state["services"]
@@ -55,8 +66,15 @@ def test_up_status_train_down(stack_env, tmp_path, demo_cache):
     work = tmp_path / "work"
     work.mkdir()
     (work / ".ppoflow").symlink_to(demo_cache)  # the demo's assets, built once for the session
-    overrides = ["data.synthetic.train_size=64", "data.synthetic.val_size=16", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=4",
-                 "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.total_training_steps=1", "trainer.test_freq=-1"]
+    overrides = [
+        "data.synthetic.train_size=64",
+        "data.synthetic.val_size=16",
+        "data.train_batch_size=4",
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "trainer.total_training_steps=1",
+        "trainer.test_freq=-1",
+    ]
     trained = ppoflow(stack_env, "train", *overrides, timeout=600, cwd=work)
     assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
     assert trained.stdout.splitlines()[0].startswith("ppoflow train: using the ppoflow stack")
@@ -83,9 +101,18 @@ def test_the_prefect_server_deletes_task_run_events_after_an_hour(tmp_path):
     from infra.stack import service_command
 
     _, env, _ = service_command("prefect", 4200, tmp_path)
-    settings = Settings(server={"services": {"db_vacuum": {
-        "event_retention_overrides": json.loads(env["PREFECT_SERVER_SERVICES_DB_VACUUM_EVENT_RETENTION_OVERRIDES"]),
-        "loop_seconds": env["PREFECT_SERVER_SERVICES_DB_VACUUM_LOOP_SECONDS"]}}})
+    settings = Settings(
+        server={
+            "services": {
+                "db_vacuum": {
+                    "event_retention_overrides": json.loads(
+                        env["PREFECT_SERVER_SERVICES_DB_VACUUM_EVENT_RETENTION_OVERRIDES"]
+                    ),
+                    "loop_seconds": env["PREFECT_SERVER_SERVICES_DB_VACUUM_LOOP_SECONDS"],
+                }
+            }
+        }
+    )
     vacuum = settings.server.services.db_vacuum
     assert vacuum.event_retention_overrides["prefect.task-run.Completed"] == timedelta(hours=1)
     assert "events" in vacuum.enabled_vacuum_types and vacuum.loop_seconds == 600

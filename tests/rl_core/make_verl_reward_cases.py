@@ -19,18 +19,79 @@ OUT = Path(__file__).parent / "data" / "verl_reward_cases.jsonl"
 FILLER = "Let me think step by step about the numbers involved and check each partial result carefully. "
 
 GSM8K_TRUTHS = ["7", "72", "1234", "-5", "0", "18", "3.5"]
-GSM8K_ANSWERS = ["#### {a}", "#### {a}.", "####{a}", "#### {c}", "#### ${a}", "The answer is {a}", "#### {a}\n#### 9", "#### 9\n#### {a}",
-                 "#### {a} dollars", "so #### -{a}", "#### {a},", "answer: #### {a}.0"]
-MATH_TRUTHS = ["\\frac{1}{2}", "42", "\\sqrt{2}", "3\\sqrt{3}", "x+1", "90", "(1,2)", "\\frac{3}{4}", "10\\%", "0.25", "2\\pi", "5"]
-MATH_ANSWERS = ["\\boxed{{{a}}}", "\\boxed{{\\dfrac{{1}}{{2}}}}", "\\boxed{{0.5}}", "\\boxed{{1/2}}", "\\boxed {a}$", "\\fbox{{{a}}}",
-                "\\boxed{{{a} \\text{{ cm}}}}", "\\boxed{{x = {a}}}", "\\boxed{{\\sqrt2}}", "\\boxed{{\\left( 1,2 \\right)}}", "\\boxed{{90^\\circ}}",
-                "\\boxed{{10\\%}}", "\\boxed{{.25}}", "\\boxed{{{a}}} and \\boxed{{7}}", "\\boxed{{\\frac34}}", "\\boxed{{{a}", "\\boxed{{}}",
-                "\\boxed{{\\frac}}", "\\boxed{{{a} \\text{{ m}} \\text{{ s}}}}", "\\boxed{{2 \\pi}}", "no box, just {a}", "\\boxed{{3\\sqrt3}}",
-                "\\boxed{{ {a} }}", "\\boxed{{\\tfrac{{3}}{{4}}}}", "$\\boxed{{{a}}}$."]
+GSM8K_ANSWERS = [
+    "#### {a}",
+    "#### {a}.",
+    "####{a}",
+    "#### {c}",
+    "#### ${a}",
+    "The answer is {a}",
+    "#### {a}\n#### 9",
+    "#### 9\n#### {a}",
+    "#### {a} dollars",
+    "so #### -{a}",
+    "#### {a},",
+    "answer: #### {a}.0",
+]
+MATH_TRUTHS = [
+    "\\frac{1}{2}",
+    "42",
+    "\\sqrt{2}",
+    "3\\sqrt{3}",
+    "x+1",
+    "90",
+    "(1,2)",
+    "\\frac{3}{4}",
+    "10\\%",
+    "0.25",
+    "2\\pi",
+    "5",
+]
+MATH_ANSWERS = [
+    "\\boxed{{{a}}}",
+    "\\boxed{{\\dfrac{{1}}{{2}}}}",
+    "\\boxed{{0.5}}",
+    "\\boxed{{1/2}}",
+    "\\boxed {a}$",
+    "\\fbox{{{a}}}",
+    "\\boxed{{{a} \\text{{ cm}}}}",
+    "\\boxed{{x = {a}}}",
+    "\\boxed{{\\sqrt2}}",
+    "\\boxed{{\\left( 1,2 \\right)}}",
+    "\\boxed{{90^\\circ}}",
+    "\\boxed{{10\\%}}",
+    "\\boxed{{.25}}",
+    "\\boxed{{{a}}} and \\boxed{{7}}",
+    "\\boxed{{\\frac34}}",
+    "\\boxed{{{a}",
+    "\\boxed{{}}",
+    "\\boxed{{\\frac}}",
+    "\\boxed{{{a} \\text{{ m}} \\text{{ s}}}}",
+    "\\boxed{{2 \\pi}}",
+    "no box, just {a}",
+    "\\boxed{{3\\sqrt3}}",
+    "\\boxed{{ {a} }}",
+    "\\boxed{{\\tfrac{{3}}{{4}}}}",
+    "$\\boxed{{{a}}}$.",
+]
 DAPO_TRUTHS = ["42", "1000", "\\frac{1}{2}", "5", "x^2", "12"]
-DAPO_ANSWERS = ["Answer: {a}", "answer : {a}", "Answer: ${a}$", "Answer: {a} dollars", "Answer: 1,000", "Answer: x = {a}", "\\boxed{{{a}}}",
-                "Answer: {a}\nAnswer: 7", "The final answer is {a}", "Answer: \\boxed{{{a}}}", "Answer: \\text{{{a}}}", "Answer: {a}.",
-                "Answer: the value is {a}", "ANSWER:{a}", "\\boxed{{{a}}} " + "then some more words " * 8]
+DAPO_ANSWERS = [
+    "Answer: {a}",
+    "answer : {a}",
+    "Answer: ${a}$",
+    "Answer: {a} dollars",
+    "Answer: 1,000",
+    "Answer: x = {a}",
+    "\\boxed{{{a}}}",
+    "Answer: {a}\nAnswer: 7",
+    "The final answer is {a}",
+    "Answer: \\boxed{{{a}}}",
+    "Answer: \\text{{{a}}}",
+    "Answer: {a}.",
+    "Answer: the value is {a}",
+    "ANSWER:{a}",
+    "\\boxed{{{a}}} " + "then some more words " * 8,
+]
 
 
 def load(verl_root: Path, relative: str):
@@ -48,7 +109,11 @@ def cases(rng: random.Random):
     for _ in range(160):
         truth = rng.choice(MATH_TRUTHS)
         answer = rng.choice(MATH_ANSWERS).format(a=rng.choice([truth, truth, "7"]))
-        yield rng.choice(["lighteval/MATH", "HuggingFaceH4/MATH-500"]), FILLER * rng.choice([0, 1]) + "So " + answer, truth
+        yield (
+            rng.choice(["lighteval/MATH", "HuggingFaceH4/MATH-500"]),
+            FILLER * rng.choice([0, 1]) + "So " + answer,
+            truth,
+        )
     for _ in range(120):
         truth = rng.choice(DAPO_TRUTHS)
         answer = rng.choice(DAPO_ANSWERS).format(a=rng.choice([truth, truth, "7"]))

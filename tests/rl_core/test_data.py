@@ -18,20 +18,33 @@ def tokenizer(tiny_model_path):
 
 
 def data_config(**overrides):
-    return DataConfig(**{"max_prompt_length": 32, "filter_overlong_prompts": False, "truncation": "error", "use_chat_template": True, **overrides})
+    return DataConfig(
+        **{
+            "max_prompt_length": 32,
+            "filter_overlong_prompts": False,
+            "truncation": "error",
+            "use_chat_template": True,
+            **overrides,
+        }
+    )
 
 
 def test_rows_are_chat_templated_and_left_padded(tmp_path, tokenizer):
     path = write_rows(addition_rows(3, seed=0), tmp_path / "train.parquet")
     dataset = RLDataset(str(path), tokenizer, data_config())
     batch = dataset.collate([0, 2], uid_prefix="e0-")
-    text = tokenizer.apply_chat_template(addition_rows(3, seed=0)[2]["prompt"], add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        addition_rows(3, seed=0)[2]["prompt"], add_generation_prompt=True, tokenize=False
+    )
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    assert batch.tensors["input_ids"][1, -len(ids):].tolist() == ids
+    assert batch.tensors["input_ids"][1, -len(ids) :].tolist() == ids
     assert batch.tensors["attention_mask"][1].sum() == len(ids) and batch.tensors["attention_mask"][1, 0] == 0
-    assert batch.tensors["position_ids"][1, -len(ids):].tolist() == list(range(len(ids)))
+    assert batch.tensors["position_ids"][1, -len(ids) :].tolist() == list(range(len(ids)))
     assert batch.non_tensors["uid"].tolist() == ["e0-0", "e0-2"]
-    assert batch.non_tensors["reward_model"][1]["ground_truth"] == addition_rows(3, seed=0)[2]["reward_model"]["ground_truth"]
+    assert (
+        batch.non_tensors["reward_model"][1]["ground_truth"]
+        == addition_rows(3, seed=0)[2]["reward_model"]["ground_truth"]
+    )
 
 
 def test_plain_string_prompts_and_base_model_tokenizers_use_raw_text(tmp_path, tokenizer):
@@ -41,7 +54,9 @@ def test_plain_string_prompts_and_base_model_tokenizers_use_raw_text(tmp_path, t
     tokenizer.chat_template = None  # a base model's tokenizer
     chat_rows = addition_rows(1, seed=0)
     dataset = RLDataset(str(write_rows(chat_rows, tmp_path / "chat.jsonl")), tokenizer, data_config())
-    assert dataset.prompt_ids[0] == tokenizer(chat_rows[0]["prompt"][0]["content"], add_special_tokens=False)["input_ids"]
+    assert (
+        dataset.prompt_ids[0] == tokenizer(chat_rows[0]["prompt"][0]["content"], add_special_tokens=False)["input_ids"]
+    )
 
 
 def test_overlong_prompts_are_filtered_truncated_or_an_error(tmp_path, tokenizer):
@@ -52,16 +67,27 @@ def test_overlong_prompts_are_filtered_truncated_or_an_error(tmp_path, tokenizer
         RLDataset(path, tokenizer, data_config())
     assert len(RLDataset(path, tokenizer, data_config(filter_overlong_prompts=True))) == 4
     left = RLDataset(path, tokenizer, data_config(truncation="left"))
-    full = tokenizer(tokenizer.apply_chat_template(long_prompt, add_generation_prompt=True, tokenize=False), add_special_tokens=False)["input_ids"]
+    full = tokenizer(
+        tokenizer.apply_chat_template(long_prompt, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+    )["input_ids"]
     assert left.prompt_ids[4] == full[-32:]
     assert RLDataset(path, tokenizer, data_config(truncation="right")).prompt_ids[4] == full[:32]
 
 
-@pytest.mark.parametrize("row,message", [
-    ({"prompt": [{"role": "user", "content": "hi"}], "reward_model": {"ground_truth": "1"}}, "row 1 has no string 'data_source'"),
-    ({"data_source": "x", "prompt": [{"text": "hi"}], "reward_model": {"ground_truth": "1"}}, "row 1: column 'prompt' must be"),
-    ({"data_source": "x", "prompt": "hi", "reward_model": {}}, "row 1 has no 'reward_model.ground_truth'"),
-])
+@pytest.mark.parametrize(
+    "row,message",
+    [
+        (
+            {"prompt": [{"role": "user", "content": "hi"}], "reward_model": {"ground_truth": "1"}},
+            "row 1 has no string 'data_source'",
+        ),
+        (
+            {"data_source": "x", "prompt": [{"text": "hi"}], "reward_model": {"ground_truth": "1"}},
+            "row 1: column 'prompt' must be",
+        ),
+        ({"data_source": "x", "prompt": "hi", "reward_model": {}}, "row 1 has no 'reward_model.ground_truth'"),
+    ],
+)
 def test_malformed_rows_name_file_row_and_column(tmp_path, tokenizer, row, message):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps(addition_rows(1, seed=0)[0]) + "\n" + json.dumps(row) + "\n")
@@ -106,7 +132,12 @@ def test_synthetic_rows_are_deterministic_and_correct():
 def test_gsm8k_preprocessing_of_a_local_copy(tmp_path):
     source = tmp_path / "gsm8k"
     source.mkdir()
-    (source / "train.jsonl").write_text(json.dumps({"question": "Tom has 2 apples and buys 1,000 more. How many?", "answer": "2 + 1000 = 1002\n#### 1,002"}) + "\n")
+    (source / "train.jsonl").write_text(
+        json.dumps(
+            {"question": "Tom has 2 apples and buys 1,000 more. How many?", "answer": "2 + 1000 = 1002\n#### 1,002"}
+        )
+        + "\n"
+    )
     (source / "test.jsonl").write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n")
     written = gsm8k.preprocess(source, tmp_path / "out")
     train = read_rows(written["train"])

@@ -59,7 +59,9 @@ def test_float16_training_is_refused(config):
 def test_tensor_parallel_rollout_needs_vllm(config):
     config.trainer.n_gpus_per_node = 4
     config.actor_rollout_ref.rollout.tensor_model_parallel_size = 2
-    with pytest.raises(ConfigValueError, match="tensor_model_parallel_size=2: tensor parallelism needs rollout.name=vllm"):
+    with pytest.raises(
+        ConfigValueError, match="tensor_model_parallel_size=2: tensor parallelism needs rollout.name=vllm"
+    ):
         check_config(config)
     config.actor_rollout_ref.rollout.name = "vllm"
     check_config(config)
@@ -111,7 +113,9 @@ def test_bf16_compute_keeps_fp32_weights_and_matches_fp32_log_probs(tmp_path, co
     assert all(p.dtype == torch.float32 for p in worker.module.parameters())
     assert all(v.dtype == torch.float32 for s in worker.optimizer.state.values() for k, v in s.items() if k != "step")
     assert any(not torch.equal(before[k], v) for k, v in worker.module.state_dict().items())
-    assert "perf/mfu/actor" not in metrics and not any(k.startswith("perf/max_memory") for k in metrics)  # GPU-only metrics
+    assert "perf/mfu/actor" not in metrics and not any(
+        k.startswith("perf/max_memory") for k in metrics
+    )  # GPU-only metrics
 
 
 def test_static_kv_cache_rollout_gives_the_eager_tokens(tmp_path, config):
@@ -120,7 +124,9 @@ def test_static_kv_cache_rollout_gives_the_eager_tokens(tmp_path, config):
     outputs = []
     for enforce_eager in (True, False):
         config.actor_rollout_ref.rollout.enforce_eager = enforce_eager
-        engine = build_rollout_engine("hf", model=model, tokenizer=tokenizer, rollout_config=config.actor_rollout_ref.rollout)
+        engine = build_rollout_engine(
+            "hf", model=model, tokenizer=tokenizer, rollout_config=config.actor_rollout_ref.rollout
+        )
         outputs.append(engine.generate_sequences(prompts))
     assert torch.equal(outputs[0].tensors["responses"], outputs[1].tensors["responses"])
 
@@ -130,7 +136,11 @@ def test_training_flops_match_a_hand_count(config):
     model, _ = load_policy_model(config.actor_rollout_ref.model)
     c = model.config
     head_dim = c.hidden_size // c.num_attention_heads
-    q, kv, o = c.hidden_size * c.num_attention_heads * head_dim, 2 * c.hidden_size * c.num_key_value_heads * head_dim, c.hidden_size**2
+    q, kv, o = (
+        c.hidden_size * c.num_attention_heads * head_dim,
+        2 * c.hidden_size * c.num_key_value_heads * head_dim,
+        c.hidden_size**2,
+    )
     mlp = 3 * c.hidden_size * c.intermediate_size
     n = c.num_hidden_layers * (q + kv + o + mlp) + c.vocab_size * c.hidden_size
     assert matmul_weights(model) == n
@@ -138,7 +148,10 @@ def test_training_flops_match_a_hand_count(config):
     width = c.num_attention_heads * head_dim
     assert training_flops(model, lengths) == 6 * n * 8 + 12 * c.num_hidden_layers * width * (9 + 25)
     critic, _ = load_critic_model(config.critic.model)  # no output layer; a value head of hidden_size weights instead
-    assert training_flops(critic, lengths) == 6 * (n - c.vocab_size * c.hidden_size + c.hidden_size) * 8 + 12 * c.num_hidden_layers * width * 34
+    assert (
+        training_flops(critic, lengths)
+        == 6 * (n - c.vocab_size * c.hidden_size + c.hidden_size) * 8 + 12 * c.num_hidden_layers * width * 34
+    )
 
 
 def test_mfu_only_where_a_peak_is_known(monkeypatch):

@@ -1,5 +1,6 @@
 """A LoRA actor sharded over two gloo ranks (FSDP2): its checkpoint (the adapter) restores on two ranks, giving the
-saved policy's log-probs; the merged weights an inference engine gets (rl_core.rollout.vllm.weights) compute them too."""
+saved policy's log-probs; the merged weights an inference engine gets (rl_core.rollout.vllm.weights) compute them
+too."""
 
 import os
 import socket
@@ -25,10 +26,14 @@ def save_and_restore(rank: int, port: int, config_yaml: str, folder: str, result
     config = OmegaConf.create(config_yaml)
     actor = ActorRolloutRefWorker(config.actor_rollout_ref, "actor_rollout")
     actor.init_model()
-    data = RLDataset(str(write_rows(addition_rows(4, seed=0), f"{folder}/rows-{rank}.parquet")), actor.tokenizer, config.data)
+    data = RLDataset(
+        str(write_rows(addition_rows(4, seed=0), f"{folder}/rows-{rank}.parquet")), actor.tokenizer, config.data
+    )
     batch = actor.generate_sequences(data.collate([0, 1, 2, 3]))
     batch.union(Batch(actor.compute_log_prob(batch).tensors))
-    batch.tensors["advantages"] = torch.randn(len(batch), 1, generator=torch.Generator().manual_seed(0)) * batch.tensors["response_mask"]
+    batch.tensors["advantages"] = (
+        torch.randn(len(batch), 1, generator=torch.Generator().manual_seed(0)) * batch.tensors["response_mask"]
+    )
     actor.update_actor(batch)
     trained = actor.compute_log_prob(batch).tensors["old_log_probs"]
     actor.save_checkpoint(f"{folder}/lora")
@@ -37,16 +42,22 @@ def save_and_restore(rank: int, port: int, config_yaml: str, folder: str, result
     engine_model, _ = load_policy_model(config.actor_rollout_ref.model)
     engine_model.load_state_dict(merged, strict=False)
     with torch.no_grad():
-        from_merged, _ = response_log_probs(engine_model.eval(), *[batch.tensors[k] for k in ("input_ids", "attention_mask", "position_ids")],
-                                            batch.tensors["responses"].shape[1])
+        from_merged, _ = response_log_probs(
+            engine_model.eval(),
+            *[batch.tensors[k] for k in ("input_ids", "attention_mask", "position_ids")],
+            batch.tensors["responses"].shape[1],
+        )
     restored = ActorRolloutRefWorker(config.actor_rollout_ref, "actor_rollout")
     restored.init_model()
     fresh = restored.compute_log_prob(batch).tensors["old_log_probs"]
     restored.load_checkpoint(f"{folder}/lora")
     again = restored.compute_log_prob(batch).tensors["old_log_probs"]
     mask = batch.tensors["response_mask"].bool()
-    results[rank] = (float((again - trained)[mask].abs().max()), float((fresh - trained)[mask].abs().max()),
-                     float((from_merged - trained)[mask].abs().max()))
+    results[rank] = (
+        float((again - trained)[mask].abs().max()),
+        float((fresh - trained)[mask].abs().max()),
+        float((from_merged - trained)[mask].abs().max()),
+    )
     dist.destroy_process_group()
 
 
@@ -60,7 +71,9 @@ def test_a_lora_checkpoint_restores_on_two_ranks(config, tmp_path):
         port = probe.getsockname()[1]
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(save_and_restore, args=(port, OmegaConf.to_yaml(config, resolve=True), str(tmp_path), results), nprocs=2)
+        mp.spawn(
+            save_and_restore, args=(port, OmegaConf.to_yaml(config, resolve=True), str(tmp_path), results), nprocs=2
+        )
         for rank in (0, 1):
             restored_error, untrained_difference, merged_error = results[rank]
             assert restored_error < 1e-5 and untrained_difference > 1e-3 and merged_error < 1e-5, (rank, results[rank])

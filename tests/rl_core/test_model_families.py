@@ -17,14 +17,22 @@ from rl_core.models.loading import has_attention, load_policy_model
 from rl_core.models.logprob import response_log_probs
 from rl_core.models.tiny import make_tiny_model
 from rl_core.ppo_step import StepWorkers, run_ppo_step
-from rl_core.rollout import build_rollout_engine
 from rl_core.reward.manager import RewardManager
+from rl_core.rollout import build_rollout_engine
 from rl_core.workers import ActorRolloutRefWorker, CriticWorker
 from tests.rl_core.helpers import addition_dataset, checkpoints_activations
 
-CLASSES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM",
-           "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-           "mixtral": "MixtralForCausalLM"}
+CLASSES = {
+    "qwen2": "Qwen2ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+}
 
 
 def digit_share(data_source, solution_str, ground_truth, extra_info=None):
@@ -40,9 +48,19 @@ def family_models(tmp_path_factory):
 
 def verl_config(model_path, *extra):
     """verl's defaults (no demo profile: a model path is given) at sizes a test can afford."""
-    return compose_config([f"actor_rollout_ref.model.path={model_path}", "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4",
-                           "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2", "data.max_prompt_length=32",
-                           "data.max_response_length=8", "trainer.total_training_steps=2", *extra])
+    return compose_config(
+        [
+            f"actor_rollout_ref.model.path={model_path}",
+            "algorithm.adv_estimator=grpo",
+            "actor_rollout_ref.rollout.n=4",
+            "data.train_batch_size=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            "data.max_prompt_length=32",
+            "data.max_response_length=8",
+            "trainer.total_training_steps=2",
+            *extra,
+        ]
+    )
 
 
 def test_every_family_of_the_table_is_tested():
@@ -59,8 +77,12 @@ def test_a_family_loads_and_its_padding_free_forward_equals_the_padded_one(famil
     assert family != "gemma2" or transformers.__version__ < "5" or model.config._attn_implementation == "eager"
     prompts = addition_dataset(tmp_path, tokenizer, config.data, count=4).collate([0, 1, 2, 3]).repeat_interleave(2)
     engine_config = config.actor_rollout_ref.rollout
-    sequences = build_rollout_engine("hf", model=model, tokenizer=tokenizer, rollout_config=engine_config).generate_sequences(prompts)
-    args = [sequences.tensors[k] for k in ("input_ids", "attention_mask", "position_ids")] + [sequences.tensors["responses"].shape[1]]
+    sequences = build_rollout_engine(
+        "hf", model=model, tokenizer=tokenizer, rollout_config=engine_config
+    ).generate_sequences(prompts)
+    args = [sequences.tensors[k] for k in ("input_ids", "attention_mask", "position_ids")] + [
+        sequences.tensors["responses"].shape[1]
+    ]
     mask = sequences.tensors["response_mask"].bool()
     with torch.no_grad():
         packed, _ = response_log_probs(model.eval(), *args, remove_padding=True)
@@ -77,12 +99,17 @@ def test_a_family_trains_two_grpo_steps_with_verls_defaults(family, family_model
     assert all("padding-free" not in note for note in notes)
     data = addition_dataset(tmp_path, actor.tokenizer, config.data, count=8)
     sampler = ResumableSampler(len(data), config.data.train_batch_size, shuffle=False)
-    reward, kl = RewardManager(actor.tokenizer, digit_share, config.reward, config.data), get_kl_controller(config.algorithm.kl_ctrl)
+    reward, kl = (
+        RewardManager(actor.tokenizer, digit_share, config.reward, config.data),
+        get_kl_controller(config.algorithm.kl_ctrl),
+    )
     before = copy.deepcopy(actor.module.state_dict())
     for step in (1, 2):
         batch, metrics = run_ppo_step(config, StepWorkers(actor), data, sampler, reward, kl, step)
         assert len(batch) == 16 and torch.isfinite(torch.tensor(metrics["actor/pg_loss"]))
-        assert metrics["training/rollout_probs_diff_max"] < 1e-3  # verl's default calculate_log_probs: the samples are on-policy
+        assert (
+            metrics["training/rollout_probs_diff_max"] < 1e-3
+        )  # verl's default calculate_log_probs: the samples are on-policy
     assert any(not torch.equal(v, before[k]) for k, v in actor.module.state_dict().items())
 
 
@@ -90,8 +117,13 @@ def test_a_family_trains_two_grpo_steps_with_verls_defaults(family, family_model
 def test_lora_and_a_critic_train_on_a_family(family, family_models, tmp_path):
     """Llama's critic is LlamaForTokenClassification; Gemma 3 has no such class here, so its critic is the body with a
     value head, which trains whole under LoRA."""
-    config = verl_config(family_models[family], "algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=1",
-                         "actor_rollout_ref.model.lora_rank=4", "critic.model.lora_rank=4")
+    config = verl_config(
+        family_models[family],
+        "algorithm.adv_estimator=gae",
+        "actor_rollout_ref.rollout.n=1",
+        "actor_rollout_ref.model.lora_rank=4",
+        "critic.model.lora_rank=4",
+    )
     for node in (config.actor_rollout_ref.actor.optim, config.critic.optim):
         node.total_training_steps = 1
     actor = ActorRolloutRefWorker(config.actor_rollout_ref, "actor_rollout")
@@ -103,8 +135,15 @@ def test_lora_and_a_critic_train_on_a_family(family, family_models, tmp_path):
     heads_before = {name: p.detach().clone() for name, p in critic.module.named_parameters() if name in trainable_heads}
     data = addition_dataset(tmp_path, actor.tokenizer, config.data, count=8)
     sampler = ResumableSampler(len(data), config.data.train_batch_size, shuffle=False)
-    reward, kl = RewardManager(actor.tokenizer, digit_share, config.reward, config.data), get_kl_controller(config.algorithm.kl_ctrl)
+    reward, kl = (
+        RewardManager(actor.tokenizer, digit_share, config.reward, config.data),
+        get_kl_controller(config.algorithm.kl_ctrl),
+    )
     _, metrics = run_ppo_step(config, StepWorkers(actor, critic), data, sampler, reward, kl, 1)
     assert metrics["critic/vf_loss"] > 0 and "actor/pg_loss" in metrics
-    assert any(not torch.equal(p, heads_before[name]) for name, p in critic.module.named_parameters() if name in heads_before)
-    assert not [n for n, p in actor.module.named_parameters() if p.requires_grad and "lora_" not in n]  # only the adapter trains
+    assert any(
+        not torch.equal(p, heads_before[name]) for name, p in critic.module.named_parameters() if name in heads_before
+    )
+    assert not [
+        n for n, p in actor.module.named_parameters() if p.requires_grad and "lora_" not in n
+    ]  # only the adapter trains

@@ -8,7 +8,13 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, CodeGenConfig, CodeGenForCausalLM, Qwen2ForCausalLM, Qwen2ForTokenClassification
+from transformers import (
+    AutoModelForCausalLM,
+    CodeGenConfig,
+    CodeGenForCausalLM,
+    Qwen2ForCausalLM,
+    Qwen2ForTokenClassification,
+)
 
 from rl_core.config import ModelConfig, OptimConfig
 from rl_core.models.loading import ModelLoadError, load_hf_config, load_policy_model, resolve_model_class
@@ -20,13 +26,21 @@ from tests.rl_core.helpers import checkpoints_activations
 
 def test_make_tiny_model_cli_writes_a_checkpoint_that_loads_like_qwen25(tmp_path):
     out = tmp_path / "tiny"
-    result = subprocess.run([sys.executable, "-m", "flows.cli", "make-tiny-model", str(out)], capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "make-tiny-model", str(out)], capture_output=True, text=True, check=True
+    )
     assert str(out) in result.stdout
     assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
     assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
     # the same pipeline a user's Qwen2.5 checkpoint takes: tokenizer -> AutoConfig -> class detection -> weights
-    model, tokenizer = load_policy_model(ModelConfig(path=str(out), dtype="float32", override_config={"attention_dropout": 0.0},
-                                                     enable_gradient_checkpointing=False))
+    model, tokenizer = load_policy_model(
+        ModelConfig(
+            path=str(out),
+            dtype="float32",
+            override_config={"attention_dropout": 0.0},
+            enable_gradient_checkpointing=False,
+        )
+    )
     assert isinstance(model, Qwen2ForCausalLM) and tokenizer.padding_side == "left"
     assert model.config.attention_dropout == 0.0 and not checkpoints_activations(model)
     checkpointed, _ = load_policy_model(ModelConfig(path=str(out), enable_gradient_checkpointing=True))
@@ -95,7 +109,9 @@ def test_critic_uses_token_classification_when_available(tiny_model_path):
 def test_critic_falls_back_to_a_value_head(tiny_model_path, tmp_path):
     # CodeGen has a causal LM but no token-classification class in transformers
     folder = tmp_path / "codegen"
-    CodeGenForCausalLM(CodeGenConfig(vocab_size=320, n_embd=32, n_layer=1, n_head=4, n_positions=64, rotary_dim=4)).save_pretrained(folder)
+    CodeGenForCausalLM(
+        CodeGenConfig(vocab_size=320, n_embd=32, n_layer=1, n_head=4, n_positions=64, rotary_dim=4)
+    ).save_pretrained(folder)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(tiny_model_path / name, folder / name)
     critic, _ = load_critic_model(ModelConfig(path=str(folder)))
@@ -103,11 +119,17 @@ def test_critic_falls_back_to_a_value_head(tiny_model_path, tmp_path):
     values = critic(input_ids=torch.tensor([[1, 2, 3]])).logits[..., 0]
     assert values.shape == (1, 3)
     critic.save_pretrained(tmp_path / "saved")
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):  # as a worker's checkpoint holds them
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+    ):  # as a worker's checkpoint holds them
         shutil.copy(tiny_model_path / name, tmp_path / "saved" / name)
     reloaded, _ = load_critic_model(ModelConfig(path=str(tmp_path / "saved")))
     assert isinstance(reloaded, ValueHeadModel)
-    assert torch.allclose(reloaded(input_ids=torch.tensor([[1, 2, 3]])).logits, critic(input_ids=torch.tensor([[1, 2, 3]])).logits)
+    assert torch.allclose(
+        reloaded(input_ids=torch.tensor([[1, 2, 3]])).logits, critic(input_ids=torch.tensor([[1, 2, 3]])).logits
+    )
 
 
 def test_lr_schedules_by_hand():
@@ -123,7 +145,9 @@ def test_lr_schedules_by_hand():
 def test_optimizer_and_scheduler_from_config():
     layer = torch.nn.Linear(2, 2)
     optimizer = build_optimizer(layer.parameters(), OptimConfig(lr=0.1, weight_decay=0.0, betas=[0.9, 0.99]))
-    scheduler = build_lr_scheduler(optimizer, OptimConfig(lr_scheduler_type="cosine", lr_warmup_steps_ratio=0.5, total_training_steps=4))
+    scheduler = build_lr_scheduler(
+        optimizer, OptimConfig(lr_scheduler_type="cosine", lr_warmup_steps_ratio=0.5, total_training_steps=4)
+    )
     lrs = []
     for _ in range(4):
         lrs.append(optimizer.param_groups[0]["lr"])

@@ -31,8 +31,14 @@ def response_batch(texts, data_sources, truths, length=12):
         ids = [ord(c) for c in text][: length - 1] + [0]  # EOS
         responses[row, : len(ids)] = torch.tensor(ids)
         mask[row, : len(ids)] = 1
-    return Batch({"responses": responses, "response_mask": mask},
-                 {"data_source": data_sources, "reward_model": [{"ground_truth": t} for t in truths], "extra_info": [{"i": i} for i in range(len(texts))]})
+    return Batch(
+        {"responses": responses, "response_mask": mask},
+        {
+            "data_source": data_sources,
+            "reward_model": [{"ground_truth": t} for t in truths],
+            "extra_info": [{"i": i} for i in range(len(texts))],
+        },
+    )
 
 
 def test_rule_scorers_by_hand():  # verl's gsm8k/MATH/DAPO rules: tests/rl_core/test_reward_parity.py
@@ -55,11 +61,13 @@ def test_score_lands_on_the_last_valid_response_token():
 
 def test_custom_function_from_a_file_with_dict_results(tmp_path):
     path = tmp_path / "my_reward.py"
-    path.write_text(textwrap.dedent('''
+    path.write_text(
+        textwrap.dedent("""
         def compute_score(data_source, solution_str, ground_truth, extra_info=None):
             correct = solution_str.strip() == ground_truth
             return {"score": 2.0 if correct else -1.0, "acc": correct}
-    '''))
+    """)
+    )
     fn = load_custom_reward_function(str(path), "compute_score")
     result = RewardManager(CharTokenizer(), fn)(response_batch(["ab", "x"], ["my/task"] * 2, ["ab", "y"]))
     assert result.token_level_scores.sum(-1).tolist() == [2.0, -1.0]
@@ -77,7 +85,9 @@ def test_a_raising_scorer_names_the_sample_or_scores_zero():
         return 1.0
 
     batch = response_batch(["ok", "boom", "ok"], ["a", "b", "c"], ["", "", ""])
-    with pytest.raises(RewardScoringError, match=r"'flaky' failed on sample 1 \(data_source='b'\): KeyError.*reward.on_error=zero"):
+    with pytest.raises(
+        RewardScoringError, match=r"'flaky' failed on sample 1 \(data_source='b'\): KeyError.*reward.on_error=zero"
+    ):
         RewardManager(CharTokenizer(), flaky)(batch)
     result = RewardManager(CharTokenizer(), flaky, RewardConfig(on_error="zero"))(batch)
     assert result.token_level_scores.sum(-1).tolist() == [1.0, 0.0, 1.0]
@@ -97,16 +107,25 @@ def test_batch_mode_gets_lists():
         calls.append(len(solution_strs))
         return [float(s == t) for s, t in zip(solution_strs, ground_truths)]
 
-    result = RewardManager(CharTokenizer(), batch_score, RewardConfig(reward_manager="batch"))(response_batch(["a", "b", "c"], ["d"] * 3, ["a", "x", "c"]))
+    result = RewardManager(CharTokenizer(), batch_score, RewardConfig(reward_manager="batch"))(
+        response_batch(["a", "b", "c"], ["d"] * 3, ["a", "x", "c"])
+    )
     assert calls == [3] and result.token_level_scores.sum(-1).tolist() == [1.0, 0.0, 1.0]
     with pytest.raises(RewardScoringError, match="returned 1 scores for 3 samples"):
-        RewardManager(CharTokenizer(), lambda **kw: [1.0], RewardConfig(reward_manager="batch"))(response_batch(["a", "b", "c"], ["d"] * 3, ["a"] * 3))
+        RewardManager(CharTokenizer(), lambda **kw: [1.0], RewardConfig(reward_manager="batch"))(
+            response_batch(["a", "b", "c"], ["d"] * 3, ["a"] * 3)
+        )
 
 
 def test_dapo_overlong_penalty_by_hand():
     # max length 12, buffer 4: lengths up to 8 are free; length 10 (9 chars + EOS) pays (10 - 8) / 4 = 0.5
     batch = response_batch(["1234567", "123456789"], ["a", "a"], ["", ""])
-    manager = RewardManager(CharTokenizer(), lambda **kw: 1.0, RewardConfig(overlong_buffer=OverlongBufferConfig(enable=True, len=4, penalty_factor=1.0)), DataConfig(max_response_length=12))
+    manager = RewardManager(
+        CharTokenizer(),
+        lambda **kw: 1.0,
+        RewardConfig(overlong_buffer=OverlongBufferConfig(enable=True, len=4, penalty_factor=1.0)),
+        DataConfig(max_response_length=12),
+    )
     result = manager(batch)
     assert result.token_level_scores.sum(-1).tolist() == pytest.approx([1.0, 0.5])
     assert result.extra_info["overlong"] == [False, True]
@@ -123,10 +142,16 @@ def test_the_overlong_penalty_applies_to_reward_model_scores_too():
     batch = response_batch(["1234567", "123456789"], ["a", "a"], ["", ""])
     rm_scores = torch.zeros(2, 12)
     rm_scores[0, 7], rm_scores[1, 9] = 2.0, 2.0  # on each response's last token
-    manager = RewardManager(CharTokenizer(), None, RewardConfig(overlong_buffer=OverlongBufferConfig(enable=True, len=4, penalty_factor=1.0)),
-                            DataConfig(max_response_length=12))
+    manager = RewardManager(
+        CharTokenizer(),
+        None,
+        RewardConfig(overlong_buffer=OverlongBufferConfig(enable=True, len=4, penalty_factor=1.0)),
+        DataConfig(max_response_length=12),
+    )
     result = manager(batch, rm_scores)
-    assert result.token_level_scores.sum(-1).tolist() == pytest.approx([2.0, 1.5]) and result.extra_info["overlong"] == [False, True]
+    assert result.token_level_scores.sum(-1).tolist() == pytest.approx([2.0, 1.5]) and result.extra_info[
+        "overlong"
+    ] == [False, True]
 
 
 def test_a_hanging_scorer_fails_the_batch_naming_the_sample_within_the_timeout():
@@ -136,9 +161,16 @@ def test_a_hanging_scorer_fails_the_batch_naming_the_sample_within_the_timeout()
         return 1.0
 
     started = time.monotonic()
-    with pytest.raises(RewardTimeoutError, match=r"'hangs_on_b' did not return within reward.timeout_s=0.5s \(on sample 1 of 3, "
-                                                 r"data_source='d'\)"):
-        RewardManager(CharTokenizer(), hangs_on_b, RewardConfig(timeout_s=0.5))(response_batch(["a", "b", "c"], ["d"] * 3, ["a"] * 3))
+    with pytest.raises(
+        RewardTimeoutError,
+        match=r"'hangs_on_b' did not return within reward.timeout_s=0.5s \(on sample 1 of 3, "
+        r"data_source='d'\)",
+    ):
+        RewardManager(CharTokenizer(), hangs_on_b, RewardConfig(timeout_s=0.5))(
+            response_batch(["a", "b", "c"], ["d"] * 3, ["a"] * 3)
+        )
     assert time.monotonic() - started < 2
-    scored = RewardManager(CharTokenizer(), lambda **kw: 2.0, RewardConfig(timeout_s=None))(response_batch(["a"], ["d"], ["a"]))
+    scored = RewardManager(CharTokenizer(), lambda **kw: 2.0, RewardConfig(timeout_s=None))(
+        response_batch(["a"], ["d"], ["a"])
+    )
     assert scored.token_level_scores.sum().item() == 2.0  # no limit: scored in the caller's thread

@@ -19,7 +19,10 @@ def test_loss_mask_covers_the_response_and_eos_only(tiny_model_path):
 
 def test_sft_loss_is_the_mean_response_nll(tiny_model_path):
     model, tokenizer = load_policy_model(ModelConfig(path=str(tiny_model_path)))
-    batch = collate([encode_example(tokenizer, SFTExample("1+1=", "2")), encode_example(tokenizer, SFTExample("10+10=", "20"))], tokenizer.pad_token_id)
+    batch = collate(
+        [encode_example(tokenizer, SFTExample("1+1=", "2")), encode_example(tokenizer, SFTExample("10+10=", "20"))],
+        tokenizer.pad_token_id,
+    )
     with torch.no_grad():
         loss = sft_loss(model, batch)
         # plain loop: each sequence alone, sum of -log p over its response tokens

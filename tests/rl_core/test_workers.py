@@ -14,13 +14,12 @@ from rl_core.algos.aggregate import agg_loss
 from rl_core.algos.kl import get_kl_controller
 from rl_core.algos.masked import masked_mean
 from rl_core.batch import Batch
+from rl_core.data.sampler import ResumableSampler
 from rl_core.models.loading import load_tokenizer
 from rl_core.models.logprob import response_log_probs
-from rl_core.data.sampler import ResumableSampler
 from rl_core.ppo_step import StepWorkers, run_ppo_step, run_validation, use_critic, use_reference
 from rl_core.reward.manager import RewardManager, build_reward_manager
-from rl_core.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
-from rl_core.workers import train_loop
+from rl_core.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker, train_loop
 from rl_core.workers.train_loop import NonFiniteError
 from tests.rl_core.helpers import addition_dataset, assert_same_adam_step
 
@@ -35,7 +34,9 @@ def build_workers(config, with_critic):
     return actor, critic
 
 
-def assert_finished_batch(batch, n_samples, response_length, masked_keys=("old_log_probs", "advantages", "returns", "token_level_rewards")):
+def assert_finished_batch(
+    batch, n_samples, response_length, masked_keys=("old_log_probs", "advantages", "returns", "token_level_rewards")
+):
     mask = batch.tensors["response_mask"]
     assert mask.shape == (n_samples, response_length)
     for key in ("old_log_probs", "advantages", "returns", "token_level_rewards"):
@@ -61,11 +62,15 @@ def test_one_ppo_step_with_a_critic(tmp_path, config):
     data, sampler, reward, kl = step_inputs(tmp_path, actor, config)
     before = copy.deepcopy(actor.module.state_dict())
     batch, metrics = run_ppo_step(config, StepWorkers(actor, critic), data, sampler, reward, kl, step=1)
-    assert_finished_batch(batch, 16, config.data.max_response_length, masked_keys=("old_log_probs", "token_level_rewards"))  # GAE: see advantage.py
+    assert_finished_batch(
+        batch, 16, config.data.max_response_length, masked_keys=("old_log_probs", "token_level_rewards")
+    )  # GAE: see advantage.py
     assert batch.tensors["values"].shape == (16, config.data.max_response_length)
     # the step's metrics are the batch's numbers
     assert metrics["critic/score/mean"] == pytest.approx(batch.tensors["token_level_scores"].sum(-1).mean().item())
-    kl_sum = (batch.tensors["token_level_scores"] - batch.tensors["token_level_rewards"]).sum(-1) / config.algorithm.kl_ctrl.kl_coef
+    kl_sum = (batch.tensors["token_level_scores"] - batch.tensors["token_level_rewards"]).sum(
+        -1
+    ) / config.algorithm.kl_ctrl.kl_coef
     assert metrics["actor/reward_kl_penalty"] == pytest.approx(kl_sum.mean().item(), abs=1e-5)
     assert 0 <= metrics["actor/pg_clipfrac"] <= 1 and metrics["actor/grad_norm"] > 0 and metrics["critic/vf_loss"] > 0
     assert {"timing_s/gen", "timing_s/values", "timing_s/update_critic", "timing_s/update_actor"} <= set(metrics)
@@ -112,7 +117,10 @@ def test_dynamic_sampling_keeps_groups_with_differing_scores_only(tmp_path, conf
     actor, _ = build_workers(config, with_critic=False)
     data, sampler, _, kl = step_inputs(tmp_path, actor, config, count=16)
     # the untrained tiny model never adds correctly: score the parity of the response's characters instead
-    reward = RewardManager(actor.tokenizer, lambda data_source, solution_str, ground_truth, extra_info: float(sum(map(ord, solution_str)) % 2))
+    reward = RewardManager(
+        actor.tokenizer,
+        lambda data_source, solution_str, ground_truth, extra_info: float(sum(map(ord, solution_str)) % 2),
+    )
     batch, metrics = run_ppo_step(config, StepWorkers(actor), data, sampler, reward, kl, step=1)
     assert len(batch) == 2 * config.actor_rollout_ref.rollout.n
     scores = batch.tensors["token_level_scores"].sum(-1).tolist()
@@ -150,7 +158,9 @@ def fixed_batch(actor, tmp_path, config):
 
 def test_repeated_updates_on_a_fixed_batch_lower_the_loss(tmp_path, config):
     config.actor_rollout_ref.actor.optim.lr = 1e-3
-    config.actor_rollout_ref.actor.clip_ratio_high = config.actor_rollout_ref.actor.clip_ratio_low = 10.0  # no clipping plateau
+    config.actor_rollout_ref.actor.clip_ratio_high = config.actor_rollout_ref.actor.clip_ratio_low = (
+        10.0  # no clipping plateau
+    )
     actor, _ = build_workers(config, with_critic=False)
     batch = fixed_batch(actor, tmp_path, config)
     losses = [actor.update_actor(batch)["actor/pg_loss"] for _ in range(8)]
@@ -234,7 +244,11 @@ def test_nan_loss_stops_the_update_without_touching_the_weights(tmp_path, config
     batch = fixed_batch(actor, tmp_path, config)
     batch.tensors["advantages"][0, 0] = float("nan")
     before = copy.deepcopy(actor.module.state_dict())
-    with pytest.raises(NonFiniteError, match=r"actor update: the loss is nan .*after 0 optimizer step\(s\).*resuming restarts from the last checkpoint"):
+    with pytest.raises(
+        NonFiniteError,
+        match=r"actor update: the loss is nan .*after 0 optimizer step\(s\).*resuming restarts from the last "
+        r"checkpoint",
+    ):
         actor.update_actor(batch)
     assert all(torch.equal(v, before[k]) for k, v in actor.module.state_dict().items())
 
@@ -253,8 +267,17 @@ def test_a_non_finite_gradient_norm_skips_that_optimizer_step_as_verl_does(tmp_p
 def test_a_verl_legacy_loss_that_ignores_the_global_batch_info_is_scaled_to_the_mini_batch(tmp_path, config):
     """A loss written for verl's legacy path returns a micro-batch mean; the worker says so at load and weighs it by the
     micro-batch's share, so that the update does not depend on the micro-batch size."""
+
     @register_policy_loss("legacy_mean_pg")
-    def legacy(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None):
+    def legacy(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        loss_agg_mode="token-mean",
+        config=None,
+        rollout_is_weights=None,
+    ):
         return agg_loss(-advantages * torch.exp(log_prob - old_log_prob), response_mask, "token-mean"), {}
 
     try:
@@ -323,7 +346,9 @@ def test_reward_model_scores_the_last_response_token(tmp_path, config, tiny_mode
     for row in range(len(batch)):
         response = tokenizer.decode(batch.tensors["responses"][row, : lengths[row]], skip_special_tokens=True)
         messages = list(batch.non_tensors["raw_prompt"][row]) + [{"role": "assistant", "content": response}]
-        ids = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False), return_tensors="pt", add_special_tokens=False)["input_ids"]
+        ids = tokenizer(
+            tokenizer.apply_chat_template(messages, tokenize=False), return_tensors="pt", add_special_tokens=False
+        )["input_ids"]
         with torch.no_grad():
             expected = model(input_ids=ids).logits[0, 0]
         assert rescored[row, lengths[row] - 1].item() == pytest.approx(expected.item(), abs=1e-4)
@@ -336,19 +361,27 @@ def test_lora_checkpoint_holds_only_the_adapter_and_restores_it(tmp_path, config
     batch = fixed_batch(actor, tmp_path, config)
     actor.update_actor(batch)
     actor.save_checkpoint(tmp_path / "lora")
-    assert (tmp_path / "lora" / "adapter_model.safetensors").exists() and not (tmp_path / "lora" / "model.safetensors").exists()
+    assert (tmp_path / "lora" / "adapter_model.safetensors").exists() and not (
+        tmp_path / "lora" / "model.safetensors"
+    ).exists()
     restored = ActorRolloutRefWorker(config.actor_rollout_ref, "actor_rollout_ref")
     restored.init_model()
     restored.load_checkpoint(tmp_path / "lora")
     mask = batch.tensors["response_mask"].bool()
-    assert torch.allclose(restored.compute_log_prob(batch).tensors["old_log_probs"][mask], actor.compute_log_prob(batch).tensors["old_log_probs"][mask], atol=1e-6)
+    assert torch.allclose(
+        restored.compute_log_prob(batch).tensors["old_log_probs"][mask],
+        actor.compute_log_prob(batch).tensors["old_log_probs"][mask],
+        atol=1e-6,
+    )
 
 
 def test_reusing_the_updates_log_probs_as_old_gives_the_same_update(tmp_path, config):
     """One epoch, one mini-batch: old log-probs from a separate pass or from the update's own forward, detached, are
     the same numbers, so the update is the same (one forward pass less)."""
     config.actor_rollout_ref.actor.ppo_mini_batch_size = config.data.train_batch_size
-    config.actor_rollout_ref.actor.clip_ratio_low = config.actor_rollout_ref.actor.clip_ratio_high = 1e-3  # clipping would show a difference
+    config.actor_rollout_ref.actor.clip_ratio_low = config.actor_rollout_ref.actor.clip_ratio_high = (
+        1e-3  # clipping would show a difference
+    )
     reference, _ = build_workers(config, with_critic=False)
     batch = fixed_batch(reference, tmp_path, config)
     start = copy.deepcopy(reference.module.state_dict())
@@ -362,7 +395,9 @@ def test_reusing_the_updates_log_probs_as_old_gives_the_same_update(tmp_path, co
     for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/kl_loss", "actor/grad_norm"):
         assert reused[key] == pytest.approx(recomputed[key], abs=1e-6), key
     assert reused["actor/entropy"] == pytest.approx(entropy, rel=1e-5)
-    assert_same_adam_step(reusing.module.state_dict(), reference.module.state_dict(), config.actor_rollout_ref.actor.optim.lr)
+    assert_same_adam_step(
+        reusing.module.state_dict(), reference.module.state_dict(), config.actor_rollout_ref.actor.optim.lr
+    )
 
 
 def test_a_step_without_the_old_log_prob_pass(tmp_path, config):
@@ -382,12 +417,16 @@ def test_a_checkpoints_dropout_is_off_so_the_first_ratio_is_exactly_one(tmp_path
     hf_config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**hf_config, "attention_dropout": 0.5}))
     config.actor_rollout_ref.model.path = str(folder)
-    config.actor_rollout_ref.actor.ppo_mini_batch_size = config.data.train_batch_size  # one mini-batch: one step from the old policy
+    config.actor_rollout_ref.actor.ppo_mini_batch_size = (
+        config.data.train_batch_size
+    )  # one mini-batch: one step from the old policy
     actor = ActorRolloutRefWorker(config.actor_rollout_ref, "actor_rollout_ref")
     notes = actor.init_model()
     assert any("dropout turned off for RL (attention_dropout=0.5 -> 0)" in note for note in notes)
     metrics = actor.update_actor(fixed_batch(actor, tmp_path, config))
-    assert abs(metrics["actor/ppo_kl"]) < 1e-6 and metrics["actor/pg_clipfrac"] == 0.0  # with dropout 0.5: ~0.1 and more
+    assert (
+        abs(metrics["actor/ppo_kl"]) < 1e-6 and metrics["actor/pg_clipfrac"] == 0.0
+    )  # with dropout 0.5: ~0.1 and more
     config.actor_rollout_ref.model.override_config = {"attention_dropout": 0.5}  # asked for: kept
     kept = ActorRolloutRefWorker(config.actor_rollout_ref, "actor_rollout_ref")
     kept.init_model()
@@ -402,10 +441,16 @@ def test_a_model_whose_packed_rows_attend_to_each_other_falls_back_to_padded_bat
     monkeypatch.setattr(transformers.masking_utils, "find_packed_sequence_indices", lambda *args, **kwargs: None)
     actor = ActorRolloutRefWorker(config.actor_rollout_ref, "actor_rollout_ref")
     notes = actor.init_model()
-    assert not actor.remove_padding and any("padding-free forward of Qwen2ForCausalLM disagrees" in note for note in notes)
+    assert not actor.remove_padding and any(
+        "padding-free forward of Qwen2ForCausalLM disagrees" in note for note in notes
+    )
     batch = fixed_batch(actor, tmp_path, config)
     with torch.no_grad():
-        padded, _ = response_log_probs(actor.module, *[batch.tensors[k] for k in ("input_ids", "attention_mask", "position_ids")],
-                                       batch.tensors["responses"].shape[1], remove_padding=False)
+        padded, _ = response_log_probs(
+            actor.module,
+            *[batch.tensors[k] for k in ("input_ids", "attention_mask", "position_ids")],
+            batch.tensors["responses"].shape[1],
+            remove_padding=False,
+        )
     mask = batch.tensors["response_mask"].bool()
     assert torch.allclose(batch.tensors["old_log_probs"][mask], padded[mask], atol=1e-6)

@@ -21,7 +21,7 @@ from tests.conftest import ROOT, free_port, small_run_overrides
 from ui.server import Links, create_app
 
 ARTIFACTS = Path(os.environ.get("PPOFLOW_TEST_ARTIFACTS", ROOT / "test-artifacts"))
-HOSTILE = "<script>window.__pwned = 1</script><img src=x onerror=\"window.__pwned = 2\">"
+HOSTILE = '<script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2">'
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +36,18 @@ def store(tmp_path_factory, demo_cache, ray_address, prefect_api):
     hostile = client.create_run(experiment, run_name="hostile").info.run_id
     client.log_param(hostile, "algorithm.adv_estimator", "rloo")
     client.log_metric(hostile, "critic/score/mean", 0.5, step=1)
-    client.log_table(hostile, {"prompt": [HOSTILE], "response": [HOSTILE], "score": [1.0], "advantage": [0.5],
-                               "response_tokens": [["<script>", "alert(1)", "</script>"]], "token_advantages": [[0.5, -0.5, 0.1]]},
-                     artifact_file="samples/step_000001.json")
+    client.log_table(
+        hostile,
+        {
+            "prompt": [HOSTILE],
+            "response": [HOSTILE],
+            "score": [1.0],
+            "advantage": [0.5],
+            "response_tokens": [["<script>", "alert(1)", "</script>"]],
+            "token_advantages": [[0.5, -0.5, 0.1]],
+        },
+        artifact_file="samples/step_000001.json",
+    )
     client.set_terminated(hostile)
     return {"uri": result["tracking_uri"], "run_id": result["run_id"], "hostile": hostile}
 
@@ -46,7 +55,9 @@ def store(tmp_path_factory, demo_cache, ray_address, prefect_api):
 @pytest.fixture(scope="module")
 def server(store):
     port = free_port()
-    app = create_app(store["uri"], Links("http://127.0.0.1:5000", "http://127.0.0.1:4200", "http://127.0.0.1:8265"), "ppoflow")
+    app = create_app(
+        store["uri"], Links("http://127.0.0.1:5000", "http://127.0.0.1:4200", "http://127.0.0.1:8265"), "ppoflow"
+    )
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
@@ -60,13 +71,25 @@ def server(store):
 
 @pytest.fixture(scope="module")
 def browser():
-    if not (shutil.which("chromium") and shutil.which("chromedriver")):  # a fresh machine: install them, as .ci/run does
-        installed = subprocess.run([str(Path(__file__).with_name("install_chromium.sh"))], capture_output=True, text=True)
-        assert installed.returncode == 0, f"the page tests need Debian's chromium and chromium-driver: {installed.stderr[-500:]}"
+    if not (
+        shutil.which("chromium") and shutil.which("chromedriver")
+    ):  # a fresh machine: install them, as .ci/run does
+        installed = subprocess.run(
+            [str(Path(__file__).with_name("install_chromium.sh"))], capture_output=True, text=True
+        )
+        assert installed.returncode == 0, (
+            f"the page tests need Debian's chromium and chromium-driver: {installed.stderr[-500:]}"
+        )
     chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1400,2400"):
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--window-size=1400,2400",
+    ):
         options.add_argument(flag)
     chrome = webdriver.Chrome(service=Service(driver), options=options)
     yield chrome
@@ -93,8 +116,10 @@ def open_page(browser, server, select_runs=None):
 def painted_pixels(browser, canvas) -> int:
     """Pixels of a chart canvas that are not transparent (uPlot draws on a canvas: the page source shows nothing)."""
     return browser.execute_script(
-        "const c = arguments[0]; const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;"
-        "let n = 0; for (let i = 3; i < d.length; i += 4) if (d[i] > 0) n++; return n;", canvas)
+        "const c = arguments[0]; const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;let n = 0; "
+        "for (let i = 3; i < d.length; i += 4) if (d[i] > 0) n++; return n;",
+        canvas,
+    )
 
 
 def chart(browser, title):
@@ -114,9 +139,14 @@ def test_the_run_list_shows_the_run(browser, server, store):
 
 def test_the_curves_are_drawn(browser, server, store):
     open_page(browser, server, select_runs={store["run_id"]})
-    for title, label in (("score", "critic/score/mean"), ("entropy", "actor/entropy"), ("KL", "actor/kl_loss"),
-                         ("response length", "response_length/mean"), ("throughput (tokens/s)", "perf/throughput"),
-                         ("validation accuracy", "val-core/ppoflow/addition/acc/mean_at_1")):
+    for title, label in (
+        ("score", "critic/score/mean"),
+        ("entropy", "actor/entropy"),
+        ("KL", "actor/kl_loss"),
+        ("response length", "response_length/mean"),
+        ("throughput (tokens/s)", "perf/throughput"),
+        ("validation accuracy", "val-core/ppoflow/addition/acc/mean_at_1"),
+    ):
         box = chart(browser, title)
         assert painted_pixels(browser, box.find_element(By.TAG_NAME, "canvas")) > 200, title
         assert label in box.find_element(By.CLASS_NAME, "u-legend").text, title
@@ -125,7 +155,7 @@ def test_the_curves_are_drawn(browser, server, store):
 def test_the_timeline_shows_every_stage_that_ran(browser, server, store):
     open_page(browser, server, select_runs={store["run_id"]})
     metrics = MlflowClient(store["uri"]).get_run(store["run_id"]).data.metrics
-    stages = {k[len("timing_s/"):] for k in metrics if k.startswith("timing_s/")}
+    stages = {k[len("timing_s/") :] for k in metrics if k.startswith("timing_s/")}
     assert {"gen", "reward", "old_log_prob", "ref", "adv", "update_actor"} <= stages
     box = browser.find_element(By.CSS_SELECTOR, "#timeline .chart")
     legend = box.find_element(By.CLASS_NAME, "u-legend").text
@@ -145,13 +175,22 @@ def test_the_rollout_browser_colours_tokens_and_filters(browser, server, store):
     browser.find_element(By.ID, "search").send_keys("no such text anywhere")
     assert browser.find_elements(By.CSS_SELECTOR, "#samples .sample") == []
     browser.find_element(By.ID, "search").clear()
-    browser.execute_script("const s = document.getElementById('search'); s.value = arguments[0]; s.dispatchEvent(new Event('input'));", first[:3])
+    browser.execute_script(
+        "const s = document.getElementById('search'); s.value = arguments[0]; s.dispatchEvent(new Event('input'));",
+        first[:3],
+    )
     assert 1 <= len(browser.find_elements(By.CSS_SELECTOR, "#samples .sample")) <= 16
-    browser.execute_script("const s = document.getElementById('search'); s.value = ''; s.dispatchEvent(new Event('input'));")
-    browser.execute_script("const s = document.getElementById('score-min'); s.value = '2'; s.dispatchEvent(new Event('input'));")
+    browser.execute_script(
+        "const s = document.getElementById('search'); s.value = ''; s.dispatchEvent(new Event('input'));"
+    )
+    browser.execute_script(
+        "const s = document.getElementById('score-min'); s.value = '2'; s.dispatchEvent(new Event('input'));"
+    )
     assert browser.find_elements(By.CSS_SELECTOR, "#samples .sample") == []  # the addition task scores 0 or 1
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    browser.execute_script("const s = document.getElementById('score-min'); s.value = ''; s.dispatchEvent(new Event('input'));")
+    browser.execute_script(
+        "const s = document.getElementById('score-min'); s.value = ''; s.dispatchEvent(new Event('input'));"
+    )
     assert browser.save_screenshot(str(ARTIFACTS / "ui-inspector.png"))
 
 
@@ -159,8 +198,17 @@ def test_two_runs_side_by_side_show_only_the_config_keys_that_differ(browser, se
     open_page(browser, server, select_runs={store["run_id"], store["hostile"]})
     rows = browser.find_elements(By.CSS_SELECTOR, "#config-diff tbody tr")
     keys = [row.find_element(By.TAG_NAME, "td").text for row in rows]
-    assert "algorithm.adv_estimator" in keys and "data.train_batch_size" in keys  # the hostile run set only the estimator
-    assert len(chart(browser, "score").find_element(By.CLASS_NAME, "u-legend").find_elements(By.CSS_SELECTOR, "tr.u-series")) == 3
+    assert (
+        "algorithm.adv_estimator" in keys and "data.train_batch_size" in keys
+    )  # the hostile run set only the estimator
+    assert (
+        len(
+            chart(browser, "score")
+            .find_element(By.CLASS_NAME, "u-legend")
+            .find_elements(By.CSS_SELECTOR, "tr.u-series")
+        )
+        == 3
+    )
 
 
 def test_logged_strings_are_text_never_html(browser, server, store):
@@ -193,7 +241,10 @@ def test_the_settings_never_echo_a_password():
     settings = next(route for route in app.routes if getattr(route, "path", "") == "/api/settings")
     from starlette.testclient import TestClient
 
-    assert TestClient(app, base_url="http://127.0.0.1").get(settings.path).json()["tracking_uri"] == "https://mlflow:***@mlflow.internal"
+    assert (
+        TestClient(app, base_url="http://127.0.0.1").get(settings.path).json()["tracking_uri"]
+        == "https://mlflow:***@mlflow.internal"
+    )
 
 
 def test_ppoflow_ui_binds_to_loopback_by_default():

@@ -27,7 +27,9 @@ def plain_downsample(steps, values, max_points):
     buckets = max_points // 2
     out = []
     for b in range(buckets):
-        members = [i for i in range(len(steps)) if int(b * len(steps) / buckets) <= i < int((b + 1) * len(steps) / buckets)]
+        members = [
+            i for i in range(len(steps)) if int(b * len(steps) / buckets) <= i < int((b + 1) * len(steps) / buckets)
+        ]
         if not members:
             continue
         lowest = members[0]
@@ -54,7 +56,12 @@ def test_downsample_matches_the_plain_loop(length, max_points):
 
 def test_a_run_with_10000_steps_is_served_downsampled(tmp_path):
     """(Speed with 50 metrics: bench/ui_inspector.py.)"""
-    run_id = log_long_run(f"sqlite:///{tmp_path}/mlflow.db", tmp_path, steps=10_000, names=["critic/score/mean", "timing_s/gen", "timing_s/update_actor"])
+    run_id = log_long_run(
+        f"sqlite:///{tmp_path}/mlflow.db",
+        tmp_path,
+        steps=10_000,
+        names=["critic/score/mean", "timing_s/gen", "timing_s/update_actor"],
+    )
     store = RunStore(f"sqlite:///{tmp_path}/mlflow.db")
     curves = store.curves([run_id], max_points=1000)
     timeline = store.timeline(run_id, max_points=500)

@@ -33,8 +33,14 @@ import torch
 
 from rl_core.batch import Batch
 from rl_core.batch_fields import ATTENTION_MASK, INPUT_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, TEMPERATURE
-from rl_core.rollout.base import (assemble_sequences, data_parallel_rank, response_mask_until_stop, sampling_params, sampling_seed,
-                                  stop_token_ids)
+from rl_core.rollout.base import (
+    assemble_sequences,
+    data_parallel_rank,
+    response_mask_until_stop,
+    sampling_params,
+    sampling_seed,
+    stop_token_ids,
+)
 from rl_core.rollout.vllm.settings import engine_arguments, sampling_arguments, tensor_parallel_slice
 from rl_core.rollout.vllm.weights import inference_weights
 
@@ -48,22 +54,30 @@ def import_vllm() -> Any:
         import vllm
     except ImportError as error:
         raise VLLMNotAvailableError(
-            f"actor_rollout_ref.rollout.name=vllm needs vLLM in the workers' environment ({error}); on a GPU machine run "
-            f"`pip install 'ppoflow[gpu]'`, or use actor_rollout_ref.rollout.name=hf") from error
+            f"actor_rollout_ref.rollout.name=vllm needs vLLM in the workers' environment ({error}); on a GPU machine "
+            "run `pip install 'ppoflow[gpu]'`, or use actor_rollout_ref.rollout.name=hf"
+        ) from error
     return vllm
 
 
 def require_cuda(model: torch.nn.Module) -> None:
     if not torch.cuda.is_available() or next(model.parameters()).device.type != "cuda":
-        raise VLLMNotAvailableError("actor_rollout_ref.rollout.name=vllm runs on CUDA GPUs only (the actor is on the CPU); "
-                                    "use actor_rollout_ref.rollout.name=hf, or trainer.device=cuda on a GPU cluster")
+        raise VLLMNotAvailableError(
+            "actor_rollout_ref.rollout.name=vllm runs on CUDA GPUs only (the actor is on the CPU); use "
+            "actor_rollout_ref.rollout.name=hf, or trainer.device=cuda on a GPU cluster"
+        )
 
 
 class VLLMRolloutEngine:
-    """vLLM in the actor's process (see the module doc); the factory (:mod:`rl_core.rollout.vllm`) checks for a GPU first."""
+    """vLLM in the actor's process (see the module doc); the factory (:mod:`rl_core.rollout.vllm`) checks for a GPU
+    first."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, rollout_config: Any, model_config: Any, compute_dtype: torch.dtype):
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process: weights by reference
+    def __init__(
+        self, model: torch.nn.Module, tokenizer: Any, rollout_config: Any, model_config: Any, compute_dtype: torch.dtype
+    ):
+        os.environ.setdefault(
+            "VLLM_ENABLE_V1_MULTIPROCESSING", "0"
+        )  # the engine core in this process: weights by reference
         vllm = import_vllm()
         self.vllm = vllm
         self.model = model
@@ -87,7 +101,9 @@ class VLLMRolloutEngine:
     def _wake_with_weights_of(self, step: int | None) -> None:
         if self.sleeps:
             self.llm.wake_up(tags=["weights"])
-        if step is None or step != self.loaded_step or self.sleeps:  # after a level-2 sleep the weights must be reloaded
+        if (
+            step is None or step != self.loaded_step or self.sleeps
+        ):  # after a level-2 sleep the weights must be reloaded
             self._load_weights()
             self.loaded_step = step
             if not self.sleeps:  # an awake engine's prefix cache holds KV of the older weights
@@ -108,8 +124,13 @@ class VLLMRolloutEngine:
             ids = group.tensors[INPUT_IDS][i][group.tensors[ATTENTION_MASK][i].bool()].tolist()  # left padding dropped
             requests.append({"prompt_token_ids": ids})
             seed = sampling_seed(self.config, prompts.meta_info, group_rank, i)
-            params.append(self.vllm.SamplingParams(**sampling_arguments(settings, self.response_length, self.stop_token_ids,
-                                                                        bool(self.config.calculate_log_probs), seed)))
+            params.append(
+                self.vllm.SamplingParams(
+                    **sampling_arguments(
+                        settings, self.response_length, self.stop_token_ids, bool(self.config.calculate_log_probs), seed
+                    )
+                )
+            )
         self._wake_with_weights_of(step)
         try:
             outputs = self.llm.generate(requests, params, use_tqdm=False)
@@ -131,9 +152,13 @@ class VLLMRolloutEngine:
             tokens = list(completion.token_ids)[: self.response_length]
             responses[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
             if completion.logprobs is not None:
-                log_probs[row, : len(tokens)] = torch.tensor([step[token].logprob for token, step in zip(tokens, completion.logprobs)])
+                log_probs[row, : len(tokens)] = torch.tensor(
+                    [step[token].logprob for token, step in zip(tokens, completion.logprobs)]
+                )
         responses, log_probs = responses.to(device), log_probs.to(device)
-        out = assemble_sequences(prompts, responses, response_mask_until_stop(responses, self.stop_token_ids), self.pad_token_id)
+        out = assemble_sequences(
+            prompts, responses, response_mask_until_stop(responses, self.stop_token_ids), self.pad_token_id
+        )
         if self.config.calculate_log_probs:
             out.tensors[ROLLOUT_LOG_PROBS] = log_probs * out.tensors[RESPONSE_MASK]
         out.meta_info[TEMPERATURE] = temperature

@@ -23,7 +23,9 @@ def engine_arguments(rollout_config: Any, model_config: Any, compute_dtype: torc
     (``external_launcher``: one TP rank per worker process) instead of starting processes of its own.
     """
     tp = int(rollout_config.tensor_model_parallel_size)
-    max_model_len = rollout_config.max_model_len or int(rollout_config.prompt_length) + int(rollout_config.response_length)
+    max_model_len = rollout_config.max_model_len or int(rollout_config.prompt_length) + int(
+        rollout_config.response_length
+    )
     arguments: dict[str, Any] = {
         "model": str(model_config.path),
         "tokenizer": str(model_config.tokenizer_path or model_config.path),
@@ -50,8 +52,9 @@ def engine_arguments(rollout_config: Any, model_config: Any, compute_dtype: torc
     return arguments
 
 
-def sampling_arguments(params: SamplingParams, response_length: int, stop_token_ids: list[int], calculate_log_probs: bool,
-                       seed: int) -> dict[str, Any]:
+def sampling_arguments(
+    params: SamplingParams, response_length: int, stop_token_ids: list[int], calculate_log_probs: bool, seed: int
+) -> dict[str, Any]:
     """Keyword arguments of ``vllm.SamplingParams`` for one prompt row: one sample (greedy = temperature 0 in vLLM) of
     at most ``response_length`` tokens, stopping at (and keeping) any stop token, with a seed of its own."""
     greedy = not params.do_sample

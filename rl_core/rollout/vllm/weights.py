@@ -43,11 +43,12 @@ def _lora_deltas(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def checkpoint_name(name: str) -> str | None:
-    """The Hugging Face checkpoint name of a parameter of the (possibly peft-wrapped) actor; None for adapter tensors."""
+    """The Hugging Face checkpoint name of a parameter of the (possibly peft-wrapped) actor; None for adapter
+    tensors."""
     if ".lora_" in name or ".modules_to_save." in name:
         return None
     if name.startswith(PEFT_PREFIX):
-        name = name[len(PEFT_PREFIX):]
+        name = name[len(PEFT_PREFIX) :]
     return name.replace(".base_layer.", ".")
 
 
