@@ -40,6 +40,24 @@ def lr_multiplier(
     raise ValueError(f"optim.lr_scheduler_type={schedule!r}; choose 'constant' or 'cosine'")
 
 
+def apply_optim_settings(
+    optimizer: torch.optim.Optimizer, lr_scheduler: torch.optim.lr_scheduler.LambdaLR, optim_config: Any
+) -> None:
+    """After a restore, the config's settings replace the checkpoint's: ``lr``, ``betas`` and ``weight_decay`` in
+    every parameter group, and the schedule is the one ``lr_scheduler`` was built with (the config's warm-up, total
+    steps and type) at the checkpoint's position s: group lr = ``optim.lr`` x multiplier(s). Adam's moments and step
+    counts stay the checkpoint's. With the config a checkpoint was written under, nothing changes."""
+    lr = float(optim_config.lr)
+    lr_scheduler.base_lrs = [lr] * len(optimizer.param_groups)
+    for group, multiplier in zip(optimizer.param_groups, lr_scheduler.lr_lambdas):
+        group.update(
+            lr=lr * multiplier(lr_scheduler.last_epoch),
+            initial_lr=lr,
+            betas=tuple(optim_config.betas),
+            weight_decay=float(optim_config.weight_decay),
+        )
+
+
 def build_lr_scheduler(
     optimizer: torch.optim.Optimizer, optim_config: Any, total_steps: int | None = None
 ) -> torch.optim.lr_scheduler.LambdaLR:

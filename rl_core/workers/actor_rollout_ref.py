@@ -321,7 +321,7 @@ class ActorRolloutRefWorker:
     @dispatch(ONE_TO_ALL)
     def load_checkpoint(self, folder: str | Path) -> None:
         self._require(self.is_actor, "load_checkpoint", "actor")
-        extra = load_trainable(folder, self.module, self.optimizer, self.lr_scheduler)
+        extra = load_trainable(folder, self.module, self.optimizer, self.lr_scheduler, self.actor_config.optim)
         set_rng_state(extra["rng"])
         self.steps_trained = self.updates_started = int(extra["steps_trained"])
 

@@ -144,5 +144,5 @@ class CriticWorker:
     @dispatch(ONE_TO_ALL)
     def load_checkpoint(self, folder: str | Path) -> None:
         self.steps_trained = self.updates_started = int(
-            load_trainable(folder, self.module, self.optimizer, self.lr_scheduler)["steps_trained"]
+            load_trainable(folder, self.module, self.optimizer, self.lr_scheduler, self.config.optim)["steps_trained"]
         )

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from rl_core.checkpoint import TRAINING_STATE_FILE, load_state, save_model_weights, save_state
+from rl_core.models.optim import apply_optim_settings
 from rl_core.models.value_head import VALUE_HEAD_FILE, ValueHeadModel
 from rl_core.workers.data_parallel import world_size
 from rl_core.workers.fsdp import (
@@ -105,12 +106,15 @@ def save_trainable(
 
 
 def load_trainable(
-    folder: str | Path, module: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any
+    folder: str | Path, module: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any, optim_config: Any
 ) -> dict[str, Any]:
-    """Restore what :func:`save_trainable` wrote (in place) and return its ``extra``. Every rank must call it."""
+    """Restore what :func:`save_trainable` wrote (in place) and return its ``extra``; the optimizer's settings are then
+    ``optim_config``'s (:func:`apply_optim_settings`: a resume under a new learning rate uses it). Every rank must
+    call it."""
     folder = Path(folder)
     load_model_weights(module, folder)
     state = load_state(folder / TRAINING_STATE_FILE)
     load_full_optimizer_state_dict(module, optimizer, state["optimizer"])
     lr_scheduler.load_state_dict(state["lr_scheduler"])
+    apply_optim_settings(optimizer, lr_scheduler, optim_config)
     return state["extra"]

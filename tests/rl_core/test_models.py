@@ -19,7 +19,7 @@ from transformers import (
 from rl_core.config import ModelConfig, OptimConfig
 from rl_core.models.loading import ModelLoadError, load_hf_config, load_policy_model, resolve_model_class
 from rl_core.models.lora import adapter_disabled, apply_lora
-from rl_core.models.optim import build_lr_scheduler, build_optimizer, lr_multiplier
+from rl_core.models.optim import apply_optim_settings, build_lr_scheduler, build_optimizer, lr_multiplier
 from rl_core.models.value_head import ValueHeadModel, load_critic_model
 from tests.rl_core.helpers import checkpoints_activations
 
@@ -119,11 +119,12 @@ def test_critic_falls_back_to_a_value_head(tiny_model_path, tmp_path):
     values = critic(input_ids=torch.tensor([[1, 2, 3]])).logits[..., 0]
     assert values.shape == (1, 3)
     critic.save_pretrained(tmp_path / "saved")
+    # as a worker's checkpoint holds them
     for name in (
         "tokenizer.json",
         "tokenizer_config.json",
         "chat_template.jinja",
-    ):  # as a worker's checkpoint holds them
+    ):
         shutil.copy(tiny_model_path / name, tmp_path / "saved" / name)
     reloaded, _ = load_critic_model(ModelConfig(path=str(tmp_path / "saved")))
     assert isinstance(reloaded, ValueHeadModel)
@@ -156,3 +157,45 @@ def test_optimizer_and_scheduler_from_config():
     assert lrs == pytest.approx([0.0, 0.05, 0.1, 0.1 * 0.5 * (1 + math.cos(math.pi * 0.5))])
     with pytest.raises(ValueError, match="needs optim.total_training_steps"):
         build_lr_scheduler(optimizer, OptimConfig(lr_scheduler_type="cosine"))
+
+
+def test_a_restore_takes_the_configs_optimizer_settings_and_keeps_the_moments():
+    """Resume under a new learning rate (the advice of a NaN loss): the restored optimizer and schedule use it."""
+
+    def trained(config: OptimConfig, steps: int):
+        layer = torch.nn.Linear(3, 1)
+        optimizer = build_optimizer(layer.parameters(), config)
+        scheduler = build_lr_scheduler(optimizer, config)
+        for _ in range(steps):
+            layer(torch.randn(4, 3)).pow(2).sum().backward()
+            optimizer.step()
+            scheduler.step()
+        return optimizer, scheduler
+
+    old = OptimConfig(lr=0.1, betas=[0.9, 0.99], lr_scheduler_type="cosine", lr_warmup_steps=1, total_training_steps=10)
+    saved_optimizer, saved_scheduler = trained(old, 3)
+    for new, expected_lr in (
+        (old, saved_optimizer.param_groups[0]["lr"]),
+        (
+            OptimConfig(
+                lr=0.02,
+                betas=[0.5, 0.9],
+                weight_decay=0.3,
+                lr_scheduler_type="cosine",
+                lr_warmup_steps=1,
+                total_training_steps=20,
+            ),
+            0.02 * lr_multiplier(3, "cosine", 1, 20),
+        ),
+    ):
+        optimizer, scheduler = trained(new, 0)
+        optimizer.load_state_dict(saved_optimizer.state_dict())
+        scheduler.load_state_dict(saved_scheduler.state_dict())
+        apply_optim_settings(optimizer, scheduler, new)
+        group = optimizer.param_groups[0]
+        assert group["lr"] == pytest.approx(expected_lr) and list(group["betas"]) == list(new.betas)
+        assert group["weight_decay"] == new.weight_decay and scheduler.last_epoch == 3
+        moments = [state["exp_avg"] for state in optimizer.state.values()]
+        assert all(torch.equal(a, b["exp_avg"]) for a, b in zip(moments, saved_optimizer.state.values()))
+        scheduler.step()  # the schedule goes on from the new base learning rate
+        assert group["lr"] == pytest.approx(float(new.lr) * lr_multiplier(4, "cosine", 1, new.total_training_steps))
