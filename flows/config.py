@@ -72,16 +72,13 @@ def compose_config(overrides: list[str] | None = None, base: str | None = None) 
     overrides = list(overrides or [])
     try:
         config = _compose(overrides, base)
-        chosen = any(
-            o.lstrip("+").startswith("profile=") for o in overrides
-        )  # `+profile=demo`: a model of one's own, the demo's values
-        if (
-            base is None and config.actor_rollout_ref.model.path is None and not chosen
-        ):  # the embedded demo: its profile under the overrides
+        # `+profile=demo`: a model of one's own, the demo's values
+        chosen = any(o.lstrip("+").startswith("profile=") for o in overrides)
+        # the embedded demo: its profile under the overrides
+        if base is None and config.actor_rollout_ref.model.path is None and not chosen:
             config = _compose([f"+profile={DEMO_PROFILE.stem}", *overrides], base)
-        OmegaConf.merge(
-            PPOTrainerConfig, OmegaConf.to_container(config)
-        )  # `+key=value` slips past the schema: refuse it here
+        # `+key=value` slips past the schema: refuse it here
+        OmegaConf.merge(PPOTrainerConfig, OmegaConf.to_container(config))
         OmegaConf.resolve(config)
     except OverrideParseException as error:
         raise ConfigError(f"{str(error).splitlines()[0]}: overrides are key=value (Hydra syntax)") from None

@@ -38,9 +38,10 @@ def ensure_demo_model(config: DictConfig, log=print) -> str:
     target = demo_dir(config) / "tiny-sft"
     if (target / "config.json").exists():
         return str(target)
+    # the model code only when the model is built (the controller never loads one)
     from rl_core.config import (
         ModelConfig,
-    )  # the model code only when the model is built (the controller never loads one)
+    )
     from rl_core.models.loading import load_policy_model
     from rl_core.models.tiny import make_tiny_model
     from rl_core.sft import SFTExample, run_sft

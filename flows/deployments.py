@@ -68,9 +68,8 @@ def deployments(
             "a scheduled sweep needs the sweep's overrides (e.g. --sweep-overrides algorithm.adv_estimator=grpo,rloo)"
         )
     if sweep_overrides:
-        parse_search_space(
-            sweep_overrides, (sweep_options or {}).get("search", "grid")
-        )  # a bad sweep fails now, not at 2 am
+        # a bad sweep fails now, not at 2 am
+        parse_search_space(sweep_overrides, (sweep_options or {}).get("search", "grid"))
     sweep_parameters = {"overrides": sweep_overrides, **(sweep_options or {})} if sweep_overrides else {}
     return [
         train.with_options(retries=train_retries, retry_delay_seconds=5).to_deployment(

@@ -17,9 +17,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 TREE_KEY = "ppoflow_tree"
-TRAINING_STATE_FILE = (
-    "state.safetensors"  # a worker's optimizer, LR scheduler, counters: a resume needs it, a model does not
-)
+# a worker's optimizer, LR scheduler, counters: a resume needs it, a model does not
+TRAINING_STATE_FILE = "state.safetensors"
 
 
 def _encode(value: Any, tensors: dict[str, torch.Tensor]) -> Any:

@@ -242,9 +242,8 @@ def run_ppo_step(
     generation_batches = 0
     while True:
         prompts = data.collate(sampler.next_batch(), uid_prefix=f"{step}-{generation_batches}-")
-        prompts.meta_info[GLOBAL_STEP] = (
-            step * 1000 + generation_batches
-        )  # seeds sampling: a re-run step draws the same
+        # seeds sampling: a re-run step draws the same
+        prompts.meta_info[GLOBAL_STEP] = step * 1000 + generation_batches
         generation_batches += 1
         batch = stage("generate", generate, workers, prompts, n, baseline_reward)
         batch.union(stage("reward", reward, workers, reward_manager, batch))

@@ -138,9 +138,8 @@ class StepCheckpoints:
         write_manifest(staging)
         final = self.step_dir(step)
         replaced = self._aside(step)
-        if (
-            final.exists()
-        ):  # a step written again (a resumed run): the old folder stays whole until the new one is in place
+        # a step written again (a resumed run): the old folder stays whole until the new one is in place
+        if final.exists():
             shutil.rmtree(replaced, ignore_errors=True)
             os.replace(final, replaced)
         os.replace(staging, final)

@@ -118,12 +118,13 @@ def _tracking_env(values: dict) -> list[dict]:
 
 def postgres(values: dict) -> list[dict]:
     pg = values["postgres"]
+    # POSTGRES_DB creates `prefect`
     init = {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _meta(values, "postgres-init"),
         "data": {"databases.sql": "CREATE DATABASE mlflow;\n"},
-    }  # POSTGRES_DB creates `prefect`
+    }
     container = {
         "name": "postgres",
         "image": pg["image"],

@@ -298,9 +298,8 @@ def compute_policy_loss_geo_mean(
     pg_clipfrac = masked_mean((clipped & (advantages > 0)).float(), response_mask)
     pg_clipfrac_lower = masked_mean((clipped & (advantages < 0)).float(), response_mask)
     non_empty = (lengths > 0).to(pg_losses.dtype)
-    pg_loss = _aggregate(
-        pg_losses.unsqueeze(-1), non_empty.unsqueeze(-1), "seq-mean-token-sum", config
-    )  # one "token" per sequence
+    # one "token" per sequence
+    pg_loss = _aggregate(pg_losses.unsqueeze(-1), non_empty.unsqueeze(-1), "seq-mean-token-sum", config)
     return pg_loss, _metrics(pg_clipfrac, ppo_kl, pg_clipfrac_lower)
 
 

@@ -125,10 +125,11 @@ def test_redaction_by_key_and_by_value():
         ["lr=1"],
         ["+a.b.hf_token=x", "c=sk-" + "A" * 24],
     )
+    # the key's value inside another override
     assert split_secret_overrides(["+k.api_key='abcd-1234'", "+k.url=https://u:abcd-1234@h", "+k.n=abcd"]) == (
         ["+k.n=abcd"],
         ["+k.api_key='abcd-1234'", "+k.url=https://u:abcd-1234@h"],
-    )  # the key's value inside another override
+    )
 
 
 WRITER = """

@@ -69,9 +69,8 @@ def test_a_killed_controller_is_replaced_by_one_that_reattaches(tmp_path, demo_c
         metric_history(straight["tracking_uri"], straight["run_id"]),
     )
     for name in COMPARED:
-        assert crashed_history[name] == straight_history[name], (
-            name
-        )  # every step once, with the uninterrupted run's values
+        # every step once, with the uninterrupted run's values
+        assert crashed_history[name] == straight_history[name], name
 
 
 @pytest.fixture()

@@ -104,9 +104,8 @@ def test_the_deployments_and_their_forms(served):
     batch_size = next(option for option in form["batch_size"]["anyOf"] if option.get("type") == "integer")
     assert batch_size["exclusiveMinimum"] == 0 and "data.train_batch_size" in form["batch_size"]["description"]
     algorithms = next(option["enum"] for option in form["algorithm"]["anyOf"] if "enum" in option)
-    assert (
-        "grpo" in algorithms and form["algorithm"]["default"] is None
-    )  # empty: the config's (the demo profile's grpo here)
+    # empty: the config's (the demo profile's grpo here)
+    assert "grpo" in algorithms and form["algorithm"]["default"] is None
     assert train.concurrency_limit == 1 or train.global_concurrency_limit.limit == 1  # one training run at a time
     sweep = found["sweep"]
     assert [s.schedule.cron for s in sweep.schedules] == [CRON]
@@ -158,9 +157,8 @@ def test_a_run_from_the_form_trains_and_shows_its_progress_in_prefect(served, tm
             artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id]))
         )
     }
-    assert (
-        run.info.run_id in artifacts["mlflow-run"].data and artifacts["mlflow-run"].type == "markdown"
-    )  # a link renders as markdown
+    # a link renders as markdown
+    assert run.info.run_id in artifacts["mlflow-run"].data and artifacts["mlflow-run"].type == "markdown"
     assert str(tmp_path / "checkpoints") in artifacts["checkpoints"].data
     assert artifacts["training-progress"].type == "progress" and float(artifacts["training-progress"].data) == 100.0
     assert artifacts["training-progress"].description.startswith("step 2/2 | score")

@@ -67,9 +67,8 @@ def test_a_form_run_composes_the_config_the_command_line_would(tmp_path):
 
 
 def test_an_empty_form_field_leaves_the_demo_profile_or_verls_value():
-    assert (
-        compose_config(training_overrides(TrainSettings(), [])).actor_rollout_ref.actor.optim.lr == 1e-3
-    )  # the demo's
+    # the demo's
+    assert compose_config(training_overrides(TrainSettings(), [])).actor_rollout_ref.actor.optim.lr == 1e-3
     own = TrainSettings(model_path="/models/own")
     assert compose_config(training_overrides(own, [])).actor_rollout_ref.actor.optim.lr == 1e-6  # verl's
     assert (

@@ -95,9 +95,8 @@ def test_a_search_draws_from_the_choices_ranges_and_intervals():
     assert {d["algorithm.adv_estimator"] for d in drawn} == {"grpo", "rloo"}
     assert {d["actor_rollout_ref.rollout.n"] for d in drawn} <= {"2", "4", "6", "8"}
     lrs = [float(d["actor_rollout_ref.actor.optim.lr"]) for d in drawn]
-    assert (
-        all(1e-6 <= lr <= 1e-2 for lr in lrs) and sum(lr < 1e-4 for lr in lrs) > 10
-    )  # log-uniform: half the draws below 1e-4
+    # log-uniform: half the draws below 1e-4
+    assert all(1e-6 <= lr <= 1e-2 for lr in lrs) and sum(lr < 1e-4 for lr in lrs) > 10
     assert all(0.1 <= float(d["actor_rollout_ref.actor.clip_ratio"]) <= 0.3 for d in drawn)
     assert study.trials[0].distributions["actor_rollout_ref.actor.optim.lr"].log
 

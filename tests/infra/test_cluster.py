@@ -56,9 +56,8 @@ def test_a_connection_begun_in_the_background_is_the_one_connect_waits_for(ray_a
     assert result.returncode == 0, result.stderr[-2000:]
     assert "foreground: ray address 127.0.0.1:1 did not answer within 2s" in result.stdout
     assert f"connected to {ray_address} in ppoflow-ray-connect 42" in result.stdout
-    assert (
-        "SIGTERM handler is not set" not in result.stderr
-    )  # Ray's warning about connecting from a thread: not for users
+    # Ray's warning about connecting from a thread: not for users
+    assert "SIGTERM handler is not set" not in result.stderr
 
 
 def test_pool_precheck_names_what_is_missing(ray_address):

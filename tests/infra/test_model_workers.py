@@ -159,11 +159,12 @@ def test_a_batch_that_does_not_divide_over_the_ranks_gives_the_one_rank_update(
         finally:
             group.kill()
     (m1, w1), (m2, w2) = results[1], results[2]
+    # a padded row with weight would move these by ~1/15
     for key in (
         "actor/pg_loss",
         "actor/kl_loss",
         "actor/grad_norm",
-    ):  # a padded row with weight would move these by ~1/15
+    ):
         assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
     assert_same_adam_step(w1, w2, config.actor_rollout_ref.actor.optim.lr)  # 2 ranks sum in another order than 1
 
@@ -196,9 +197,8 @@ def test_a_batch_of_prompts_that_does_not_divide_over_two_ranks_keeps_n_samples_
         odd = addition_dataset(
             tmp_path, load_tokenizer(config.actor_rollout_ref.model.path), config.data, count=5, split="val"
         )
-        assert (
-            len(generate(workers, odd.collate(list(range(5)), "v-"), 1)) == 5
-        )  # 5 rows on 2 ranks: one padding row, removed
+        # 5 rows on 2 ranks: one padding row, removed
+        assert len(generate(workers, odd.collate(list(range(5)), "v-"), 1)) == 5
         val_kwargs = {**config.actor_rollout_ref.rollout.val_kwargs, "n": 4, "do_sample": True, "temperature": 1.0}
         metrics = run_validation(config, workers, odd, reward, val_kwargs=val_kwargs)  # 20 rows: 4 per prompt
         assert "val-core/ppoflow/addition/acc/pass@4" in metrics

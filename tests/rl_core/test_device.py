@@ -113,9 +113,8 @@ def test_bf16_compute_keeps_fp32_weights_and_matches_fp32_log_probs(tmp_path, co
     assert all(p.dtype == torch.float32 for p in worker.module.parameters())
     assert all(v.dtype == torch.float32 for s in worker.optimizer.state.values() for k, v in s.items() if k != "step")
     assert any(not torch.equal(before[k], v) for k, v in worker.module.state_dict().items())
-    assert "perf/mfu/actor" not in metrics and not any(
-        k.startswith("perf/max_memory") for k in metrics
-    )  # GPU-only metrics
+    # GPU-only metrics
+    assert "perf/mfu/actor" not in metrics and not any(k.startswith("perf/max_memory") for k in metrics)
 
 
 def test_static_kv_cache_rollout_gives_the_eager_tokens(tmp_path, config):

@@ -107,9 +107,8 @@ def test_a_family_trains_two_grpo_steps_with_verls_defaults(family, family_model
     for step in (1, 2):
         batch, metrics = run_ppo_step(config, StepWorkers(actor), data, sampler, reward, kl, step)
         assert len(batch) == 16 and torch.isfinite(torch.tensor(metrics["actor/pg_loss"]))
-        assert (
-            metrics["training/rollout_probs_diff_max"] < 1e-3
-        )  # verl's default calculate_log_probs: the samples are on-policy
+        # verl's default calculate_log_probs: the samples are on-policy
+        assert metrics["training/rollout_probs_diff_max"] < 1e-3
     assert any(not torch.equal(v, before[k]) for k, v in actor.module.state_dict().items())
 
 
@@ -144,6 +143,5 @@ def test_lora_and_a_critic_train_on_a_family(family, family_models, tmp_path):
     assert any(
         not torch.equal(p, heads_before[name]) for name, p in critic.module.named_parameters() if name in heads_before
     )
-    assert not [
-        n for n, p in actor.module.named_parameters() if p.requires_grad and "lora_" not in n
-    ]  # only the adapter trains
+    # only the adapter trains
+    assert not [n for n, p in actor.module.named_parameters() if p.requires_grad and "lora_" not in n]

@@ -34,9 +34,8 @@ def test_lora_actor_weights_arrive_as_a_merged_hf_checkpoint(tiny_model_path):
             parameter.data.normal_(std=0.5)
     plain, _ = load_policy_model(ModelConfig(path=str(tiny_model_path)))
     weights = dict(inference_weights(actor))
-    assert set(weights) == {
-        name for name, _ in plain.named_parameters()
-    }  # a tied lm_head is the embedding (vLLM ties it too)
+    # a tied lm_head is the embedding (vLLM ties it too)
+    assert set(weights) == {name for name, _ in plain.named_parameters()}
     missing, unexpected = plain.load_state_dict(weights, strict=False)
     assert (
         missing == ["lm_head.weight"] and unexpected == [] and plain.lm_head.weight is plain.model.embed_tokens.weight

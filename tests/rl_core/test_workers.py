@@ -62,9 +62,10 @@ def test_one_ppo_step_with_a_critic(tmp_path, config):
     data, sampler, reward, kl = step_inputs(tmp_path, actor, config)
     before = copy.deepcopy(actor.module.state_dict())
     batch, metrics = run_ppo_step(config, StepWorkers(actor, critic), data, sampler, reward, kl, step=1)
+    # GAE: see advantage.py
     assert_finished_batch(
         batch, 16, config.data.max_response_length, masked_keys=("old_log_probs", "token_level_rewards")
-    )  # GAE: see advantage.py
+    )
     assert batch.tensors["values"].shape == (16, config.data.max_response_length)
     # the step's metrics are the batch's numbers
     assert metrics["critic/score/mean"] == pytest.approx(batch.tensors["token_level_scores"].sum(-1).mean().item())
@@ -158,9 +159,8 @@ def fixed_batch(actor, tmp_path, config):
 
 def test_repeated_updates_on_a_fixed_batch_lower_the_loss(tmp_path, config):
     config.actor_rollout_ref.actor.optim.lr = 1e-3
-    config.actor_rollout_ref.actor.clip_ratio_high = config.actor_rollout_ref.actor.clip_ratio_low = (
-        10.0  # no clipping plateau
-    )
+    # no clipping plateau
+    config.actor_rollout_ref.actor.clip_ratio_high = config.actor_rollout_ref.actor.clip_ratio_low = 10.0
     actor, _ = build_workers(config, with_critic=False)
     batch = fixed_batch(actor, tmp_path, config)
     losses = [actor.update_actor(batch)["actor/pg_loss"] for _ in range(8)]
@@ -379,9 +379,8 @@ def test_reusing_the_updates_log_probs_as_old_gives_the_same_update(tmp_path, co
     """One epoch, one mini-batch: old log-probs from a separate pass or from the update's own forward, detached, are
     the same numbers, so the update is the same (one forward pass less)."""
     config.actor_rollout_ref.actor.ppo_mini_batch_size = config.data.train_batch_size
-    config.actor_rollout_ref.actor.clip_ratio_low = config.actor_rollout_ref.actor.clip_ratio_high = (
-        1e-3  # clipping would show a difference
-    )
+    # clipping would show a difference
+    config.actor_rollout_ref.actor.clip_ratio_low = config.actor_rollout_ref.actor.clip_ratio_high = 1e-3
     reference, _ = build_workers(config, with_critic=False)
     batch = fixed_batch(reference, tmp_path, config)
     start = copy.deepcopy(reference.module.state_dict())
@@ -417,16 +416,14 @@ def test_a_checkpoints_dropout_is_off_so_the_first_ratio_is_exactly_one(tmp_path
     hf_config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**hf_config, "attention_dropout": 0.5}))
     config.actor_rollout_ref.model.path = str(folder)
-    config.actor_rollout_ref.actor.ppo_mini_batch_size = (
-        config.data.train_batch_size
-    )  # one mini-batch: one step from the old policy
+    # one mini-batch: one step from the old policy
+    config.actor_rollout_ref.actor.ppo_mini_batch_size = config.data.train_batch_size
     actor = ActorRolloutRefWorker(config.actor_rollout_ref, "actor_rollout_ref")
     notes = actor.init_model()
     assert any("dropout turned off for RL (attention_dropout=0.5 -> 0)" in note for note in notes)
     metrics = actor.update_actor(fixed_batch(actor, tmp_path, config))
-    assert (
-        abs(metrics["actor/ppo_kl"]) < 1e-6 and metrics["actor/pg_clipfrac"] == 0.0
-    )  # with dropout 0.5: ~0.1 and more
+    # with dropout 0.5: ~0.1 and more
+    assert abs(metrics["actor/ppo_kl"]) < 1e-6 and metrics["actor/pg_clipfrac"] == 0.0
     config.actor_rollout_ref.model.override_config = {"attention_dropout": 0.5}  # asked for: kept
     kept = ActorRolloutRefWorker(config.actor_rollout_ref, "actor_rollout_ref")
     kept.init_model()

@@ -71,9 +71,8 @@ def server(store):
 
 @pytest.fixture(scope="module")
 def browser():
-    if not (
-        shutil.which("chromium") and shutil.which("chromedriver")
-    ):  # a fresh machine: install them, as .ci/run does
+    # a fresh machine: install them, as .ci/run does
+    if not (shutil.which("chromium") and shutil.which("chromedriver")):
         installed = subprocess.run(
             [str(Path(__file__).with_name("install_chromium.sh"))], capture_output=True, text=True
         )
@@ -198,9 +197,8 @@ def test_two_runs_side_by_side_show_only_the_config_keys_that_differ(browser, se
     open_page(browser, server, select_runs={store["run_id"], store["hostile"]})
     rows = browser.find_elements(By.CSS_SELECTOR, "#config-diff tbody tr")
     keys = [row.find_element(By.TAG_NAME, "td").text for row in rows]
-    assert (
-        "algorithm.adv_estimator" in keys and "data.train_batch_size" in keys
-    )  # the hostile run set only the estimator
+    # the hostile run set only the estimator
+    assert "algorithm.adv_estimator" in keys and "data.train_batch_size" in keys
     assert (
         len(
             chart(browser, "score")

@@ -75,9 +75,8 @@ class VLLMRolloutEngine:
     def __init__(
         self, model: torch.nn.Module, tokenizer: Any, rollout_config: Any, model_config: Any, compute_dtype: torch.dtype
     ):
-        os.environ.setdefault(
-            "VLLM_ENABLE_V1_MULTIPROCESSING", "0"
-        )  # the engine core in this process: weights by reference
+        # the engine core in this process: weights by reference
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         vllm = import_vllm()
         self.vllm = vllm
         self.model = model
@@ -101,9 +100,8 @@ class VLLMRolloutEngine:
     def _wake_with_weights_of(self, step: int | None) -> None:
         if self.sleeps:
             self.llm.wake_up(tags=["weights"])
-        if (
-            step is None or step != self.loaded_step or self.sleeps
-        ):  # after a level-2 sleep the weights must be reloaded
+        # after a level-2 sleep the weights must be reloaded
+        if step is None or step != self.loaded_step or self.sleeps:
             self._load_weights()
             self.loaded_step = step
             if not self.sleeps:  # an awake engine's prefix cache holds KV of the older weights
