@@ -32,6 +32,7 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
+from rl_core.device import COMPUTE_DTYPES
 from rl_core.models.folder import ModelLoadError, local_model_path
 from rl_core.models.logprob import padding_free_mismatch
 
@@ -39,14 +40,7 @@ if TYPE_CHECKING:  # the modeling code imports in seconds: only the workers need
     from transformers import PreTrainedModel
 
 
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
+DTYPES = {name: dtype for name, dtype in COMPUTE_DTYPES.items() if dtype is not None}  # a stored dtype: no "auto"
 # (auto_map key, transformers auto class name) in the order they are tried; classes missing from this
 # transformers release (AutoModelForVision2Seq was folded into ImageTextToText in v5) are skipped.
 GENERATIVE_AUTO_CLASSES = (
