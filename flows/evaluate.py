@@ -31,17 +31,15 @@ from flows.config import compose_config
 from flows.demo import apply_embedded_defaults
 from flows.prefect_view import PrefectRunView, mlflow_run_url, one_line
 from flows.secrets import REDACTED, redacted_keys
-from flows.tracking import RunTracker, open_store, tracking_uri
+from flows.tracking import CONFIG_ARTIFACT, RunTracker, open_store, tracking_uri
 from flows.workers import build_workers, step_workers
 from infra.cluster import connect
 from rl_core.data.dataset import RLDataset
 from rl_core.models.loading import load_policy_tokenizer
-from rl_core.ppo_step import run_validation
+from rl_core.ppo_step import StepWorkers, run_validation
 from rl_core.reward.custom import load_custom_reward_function
-from rl_core.reward.manager import build_reward_manager
+from rl_core.reward.manager import RewardManager, build_reward_manager
 from rl_core.step_checkpoint import STATE_FILE
-
-CONFIG_ARTIFACT = "config/ppo_trainer.yaml"
 
 
 class EvaluationSourceError(ValueError):
@@ -110,9 +108,8 @@ def run_evaluation(
     if samples < 1 or not temperature > 0:
         raise ValueError(f"samples={samples}, temperature={temperature}: need samples >= 1 and temperature > 0")
     client = open_store(tracking_uri(compose_config(overrides)))
-    downloads = tempfile.TemporaryDirectory(prefix="ppoflow-eval-")
-    try:
-        actor_folder, source_run_id, step = resolve_source(source, client, Path(downloads.name))
+    with tempfile.TemporaryDirectory(prefix="ppoflow-eval-") as downloads:
+        actor_folder, source_run_id, step = resolve_source(source, client, Path(downloads))
         config = compose_config(overrides, base=source_config_yaml(client, source_run_id))
         check_no_redacted_values(config)
         apply_embedded_defaults(config)
@@ -121,17 +118,11 @@ def run_evaluation(
         reward_manager = build_reward_manager(
             config, tokenizer, load_custom_reward_function(**config.custom_reward_function)
         )
-
-        source_name = client.get_run(source_run_id).info.run_name
+        tags = {"ppoflow.kind": "evaluate", "ppoflow.source_run_id": source_run_id, "ppoflow.source": source}
         tracker = RunTracker(
             config,
-            tags={
-                "ppoflow.kind": "evaluate",
-                "ppoflow.source_run_id": source_run_id,
-                "ppoflow.source": source,
-                "ppoflow.source_step": str(step),
-            },
-            run_name=f"{source_name}-eval",
+            tags={**tags, "ppoflow.source_step": str(step)},
+            run_name=f"{client.get_run(source_run_id).info.run_name}-eval",
         )
         view = PrefectRunView()
         view.link_run(mlflow_run_url(tracker.uri, tracker.experiment_id, tracker.run_id), tracker.run_id, actor_folder)
@@ -142,23 +133,10 @@ def run_evaluation(
             timeout = config.trainer.worker_timeout_s
             workers.role("actor_rollout_ref").load_weights(str(actor_folder), timeout_s=timeout, stage="load_weights")
             stage_workers = step_workers(workers, timeout, config.reward.timeout_s)
-            val_kwargs = dict(config.actor_rollout_ref.rollout.val_kwargs)
-            greedy = run_validation(
-                config, stage_workers, val_data, reward_manager, val_kwargs={**val_kwargs, "n": 1, "do_sample": False}
-            )
-            sampled = run_validation(
-                config,
-                stage_workers,
-                val_data,
-                reward_manager,
-                val_kwargs={**val_kwargs, "n": samples, "do_sample": True, "temperature": temperature},
-            )
-            metrics = {**greedy, **{f"sampled/{key}": value for key, value in sampled.items()}}
+            metrics = greedy_and_sampled(config, stage_workers, val_data, reward_manager, samples, temperature)
             tracker.log_step(step, metrics)
-            view.log(
-                f"evaluated {source} (run {source_run_id}, step {step}): "
-                + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items())
-            )
+            summary = ", ".join(f"{k} {v:.3f}" for k, v in metrics.items())
+            view.log(f"evaluated {source} (run {source_run_id}, step {step}): {summary}")
             tracker.finish()
         except BaseException as error:
             tracker.fail(error)
@@ -166,15 +144,32 @@ def run_evaluation(
         finally:
             if workers is not None:
                 workers.kill()
-        return {
-            "tracking_uri": tracker.uri,
-            "run_id": tracker.run_id,
-            "source_run_id": source_run_id,
-            "step": step,
-            "metrics": metrics,
-        }
-    finally:
-        downloads.cleanup()
+    return {
+        "tracking_uri": tracker.uri,
+        "run_id": tracker.run_id,
+        "source_run_id": source_run_id,
+        "step": step,
+        "metrics": metrics,
+    }
+
+
+def greedy_and_sampled(
+    config: DictConfig,
+    workers: StepWorkers,
+    val_data: RLDataset,
+    reward_manager: RewardManager,
+    samples: int,
+    temperature: float,
+) -> dict[str, float]:
+    """The validation metrics of one greedy response per prompt, and (prefixed ``sampled/``) of ``samples`` sampled
+    responses per prompt at ``temperature``."""
+    val_kwargs = dict(config.actor_rollout_ref.rollout.val_kwargs)
+    greedy = {**val_kwargs, "n": 1, "do_sample": False}
+    sampled = {**val_kwargs, "n": samples, "do_sample": True, "temperature": temperature}
+    metrics = run_validation(config, workers, val_data, reward_manager, val_kwargs=greedy)
+    for key, value in run_validation(config, workers, val_data, reward_manager, val_kwargs=sampled).items():
+        metrics[f"sampled/{key}"] = value
+    return metrics
 
 
 @flow(name="ppoflow-evaluate")

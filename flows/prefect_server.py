@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable
+from datetime import datetime, timezone
 
 
 def configure_prefect() -> None:
@@ -23,6 +25,10 @@ def configure_prefect() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     for key, value in PREFECT_RETENTION.items():
         os.environ.setdefault(key, value)
+
+
+STARTED: dict[str, object] = {}  # the temporary server this process started ("server") and since when ("since")
+FINAL_STATES = ["COMPLETED", "FAILED", "CRASHED", "CANCELLED"]
 
 
 def start_temporary_server() -> Callable[[], None]:
@@ -39,7 +45,42 @@ def start_temporary_server() -> Callable[[], None]:
         server = SubprocessASGIServer()
         server.start()
         lower_priority(server.server_process.pid)
+        STARTED.update(server=server, since=datetime.now(timezone.utc))
 
     thread = threading.Thread(target=start, name="ppoflow-prefect-server", daemon=True)
     thread.start()
     return thread.join
+
+
+def stop_temporary_server(task_runs: int, timeout_s: float = 30.0) -> None:
+    """Stop the temporary server this process started once it has recorded the ``task_runs`` task runs this process
+    made (the client's queued events and logs are sent first; at most ``timeout_s``). Stopped earlier, its task-run
+    recorder is cancelled mid-write: it prints tracebacks after a run that succeeded, and the last states are lost."""
+    server = STARTED.pop("server", None)
+    if server is None or server.server_process is None:
+        return
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    EventsWorker.drain_all(timeout=5)
+    APILogWorker.drain_all(timeout=5)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        recorded = count_task_runs(server.api_url, STARTED["since"], FINAL_STATES)
+        if recorded < 0 or recorded >= task_runs:  # < 0: the server does not answer
+            break
+        time.sleep(0.25)
+    server.stop()
+
+
+def count_task_runs(api_url: str, since: datetime, states: list[str] | None = None) -> int:
+    """The task runs (in ``states``, when given) of the flow runs that started after ``since``; -1 when the server
+    does not answer."""
+    import httpx
+
+    task_runs = {"state": {"type": {"any_": states}}} if states else {}
+    body = {"flow_runs": {"start_time": {"after_": since.isoformat()}}, "task_runs": task_runs}
+    try:
+        return int(httpx.post(f"{api_url}/task_runs/count", json=body, timeout=5).json())
+    except (httpx.HTTPError, ValueError):
+        return -1

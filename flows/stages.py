@@ -45,6 +45,9 @@ def stage_task(name: str, fn: Callable, retries: int) -> Task:
     return task(fn, **options)
 
 
+TASK_RUNS = {"started": 0}  # the stage task runs this process started (its Prefect server records as many)
+
+
 def prefect_stage_runner(retries: int) -> Callable[..., Any]:
     """``run_stage(name, fn, *args)`` that runs the stage function ``fn`` as the Prefect task ``name`` (one task object
     per stage function, made on first use)."""
@@ -53,6 +56,7 @@ def prefect_stage_runner(retries: int) -> Callable[..., Any]:
     def run_stage(name: str, fn: Callable, *args: Any) -> Any:
         if (name, fn) not in tasks:
             tasks[(name, fn)] = stage_task(name, fn, retries)
+        TASK_RUNS["started"] += 1
         return tasks[(name, fn)](*args)
 
     return run_stage

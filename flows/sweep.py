@@ -21,11 +21,13 @@ a Prefect markdown artifact and ``comparison.md`` / ``comparison.json`` on the p
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
 import math
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -364,7 +366,6 @@ def run_sweep(
     """Everything the sweep flow does (see the module doc); returns the parent run id and the ranked children."""
     space, base, candidates = check_sweep(overrides, search, trials, direction)
     name = name or sweep_name(overrides, search)
-
     parent = ParentRun(
         base,
         name,
@@ -378,73 +379,108 @@ def run_sweep(
     )
     view = PrefectRunView()
     view.log(f"sweep {name}: {search} over {', '.join(space.keys())}; MLflow parent run {parent.run_id}")
-    as_deployment = children_as_deployments()
-    results: list[ChildResult] = []
-
-    def run_one(index: int, child: list[str]) -> ChildResult:
-        existing = parent.child_run(index)
-        if existing is not None and existing.info.status == "FINISHED":
-            view.log(f"child {index} ({' '.join(child)}) finished earlier: run {existing.info.run_id}")
-            return ChildResult(index, child, "FINISHED", existing.info.run_id, metrics=dict(existing.data.metrics))
-        view.log(
-            f"child {index}: {' '.join(child)} ({'deployment ' + TRAIN_DEPLOYMENT if as_deployment else 'subflow'})"
-        )
-        try:
-            # a failed child frees its workers for the next one (unless the sweep's own overrides say otherwise)
-            overrides = ["trainer.keep_workers=false", *space.fixed, *child, *parent.child_overrides(base, index)]
-            error = run_child(overrides, parent.child_tags(index), as_deployment)
-        except Exception as exc:  # the child could not even start: marked, the sweep goes on
-            error = one_line(exc)
-        result = parent.record(index, child, error)
-        view.log(f"child {index}: {result.status}" + (f" ({result.error})" if result.error else ""))
-        return result
-
+    run_one = functools.partial(run_child_once, parent, space, base, view, children_as_deployments())
     if candidates is not None:
         results = [run_one(index, child) for index, child in enumerate(candidates)]
     else:
-        import optuna
+        results = run_search(run_one, parent, space, base, name, search, trials, metric, direction, seed)
+    order, chosen_metric = publish_comparison(parent, view, name, results, metric, direction, space.keys())
+    return {
+        "tracking_uri": parent.uri,
+        "parent_run_id": parent.run_id,
+        "name": name,
+        "metric": chosen_metric,
+        "children": [asdict(r) for r in order],
+    }
 
-        sampler = (
-            optuna.samplers.RandomSampler(seed=seed) if search == "random" else optuna.samplers.TPESampler(seed=seed)
-        )
-        study = optuna.create_study(
-            study_name=name,
-            storage=optuna_storage(base),
-            sampler=sampler,
-            load_if_exists=True,
-            direction="maximize" if direction == "max" else "minimize",
-        )
-        for stale in study.get_trials(
-            deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)
-        ):  # a crashed sweep's trial
-            study.tell(stale.number, state=optuna.trial.TrialState.FAIL)
-        done = [t for t in study.get_trials(deepcopy=False) if t.state.is_finished()]
-        for trial_record in done:
-            run = parent.child_run(trial_record.number)
-            results.append(
-                ChildResult(
-                    trial_record.number,
-                    [f"{k}={v}" for k, v in trial_record.params.items()],
-                    "FINISHED" if run is not None and run.info.status == "FINISHED" else "FAILED",
-                    run.info.run_id if run else None,
-                    metrics=dict(run.data.metrics) if run else {},
-                )
-            )
-        while len(results) < trials:
-            trial = study.ask()
-            result = run_one(trial.number, suggest(trial, space))
-            results.append(result)
-            value = result.metrics.get(resolve_metric(metric, result.metrics)) if result.status == "FINISHED" else None
-            if value is None:
-                study.tell(trial, state=optuna.trial.TrialState.FAIL)
-            else:
-                study.tell(trial, value)
 
-    # --- the comparison: best first, as a Prefect artifact and on the parent run
+def run_child_once(
+    parent: ParentRun,
+    space: SearchSpace,
+    base: DictConfig,
+    view: PrefectRunView,
+    as_deployment: bool,
+    index: int,
+    child: list[str],
+) -> ChildResult:
+    """Child ``index`` of the sweep with the overrides ``child``: its earlier result when it finished before, else run
+    now (a child that fails, or cannot even start, is marked and the sweep goes on)."""
+    existing = parent.child_run(index)
+    if existing is not None and existing.info.status == "FINISHED":
+        view.log(f"child {index} ({' '.join(child)}) finished earlier: run {existing.info.run_id}")
+        return ChildResult(index, child, "FINISHED", existing.info.run_id, metrics=dict(existing.data.metrics))
+    view.log(f"child {index}: {' '.join(child)} ({'deployment ' + TRAIN_DEPLOYMENT if as_deployment else 'subflow'})")
+    try:
+        # a failed child frees its workers for the next one (unless the sweep's own overrides say otherwise)
+        overrides = ["trainer.keep_workers=false", *space.fixed, *child, *parent.child_overrides(base, index)]
+        error = run_child(overrides, parent.child_tags(index), as_deployment)
+    except Exception as exc:
+        error = one_line(exc)
+    result = parent.record(index, child, error)
+    view.log(f"child {index}: {result.status}" + (f" ({result.error})" if result.error else ""))
+    return result
+
+
+def run_search(
+    run_one: Callable[[int, list[str]], ChildResult],
+    parent: ParentRun,
+    space: SearchSpace,
+    base: DictConfig,
+    name: str,
+    search: str,
+    trials: int,
+    metric: str,
+    direction: str,
+    seed: int,
+) -> list[ChildResult]:
+    """A random or TPE search of ``trials`` children in the Optuna study ``name`` (continued when it exists: its
+    finished trials count, a crashed sweep's running trial is marked failed)."""
+    import optuna
+
+    sampler = optuna.samplers.RandomSampler(seed=seed) if search == "random" else optuna.samplers.TPESampler(seed=seed)
+    study = optuna.create_study(
+        study_name=name,
+        storage=optuna_storage(base),
+        sampler=sampler,
+        load_if_exists=True,
+        direction="maximize" if direction == "max" else "minimize",
+    )
+    for stale in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        study.tell(stale.number, state=optuna.trial.TrialState.FAIL)
+    results = []
+    for done in (t for t in study.get_trials(deepcopy=False) if t.state.is_finished()):
+        run = parent.child_run(done.number)
+        status = "FINISHED" if run is not None and run.info.status == "FINISHED" else "FAILED"
+        overrides = [f"{k}={v}" for k, v in done.params.items()]
+        metrics = dict(run.data.metrics) if run else {}
+        results.append(ChildResult(done.number, overrides, status, run.info.run_id if run else None, metrics=metrics))
+    while len(results) < trials:
+        trial = study.ask()
+        result = run_one(trial.number, suggest(trial, space))
+        results.append(result)
+        value = result.metrics.get(resolve_metric(metric, result.metrics)) if result.status == "FINISHED" else None
+        if value is None:
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        else:
+            study.tell(trial, value)
+    return results
+
+
+def publish_comparison(
+    parent: ParentRun,
+    view: PrefectRunView,
+    name: str,
+    results: list[ChildResult],
+    metric: str,
+    direction: str,
+    swept: list[str],
+) -> tuple[list[ChildResult], str]:
+    """(the children best first, the metric compared): the comparison table, JSON and curves on the parent run (and
+    as a Prefect artifact), the best child tagged, the parent run FINISHED."""
     finished_metrics = next((r.metrics for r in results if r.status == "FINISHED"), {})
     chosen_metric = resolve_metric(metric, finished_metrics)
     order = ranked(results, chosen_metric, direction)
-    table = comparison_markdown(name, order, chosen_metric, direction, space.keys())
+    table = comparison_markdown(name, order, chosen_metric, direction, swept)
     with tempfile.TemporaryDirectory(prefix="ppoflow-sweep-") as folder:
         (Path(folder) / "comparison.md").write_text(table)
         (Path(folder) / "comparison.json").write_text(json.dumps([asdict(r) for r in order], indent=1))
@@ -464,13 +500,7 @@ def run_sweep(
             description=f"sweep {name}: children best first by {chosen_metric}",
         )
     view.log(table)
-    return {
-        "tracking_uri": parent.uri,
-        "parent_run_id": parent.run_id,
-        "name": name,
-        "metric": chosen_metric,
-        "children": [asdict(r) for r in order],
-    }
+    return order, chosen_metric
 
 
 @flow(name="ppoflow-sweep")

@@ -31,6 +31,7 @@ from rl_core.checkpoint import TRAINING_STATE_FILE
 from rl_core.config import TrainerConfig
 
 STEP_MARKER = "training/global_step"
+CONFIG_ARTIFACT = "config/ppo_trainer.yaml"  # the config the run trains under (redacted)
 INVALID_METRIC_CHARS = re.compile(r"[^A-Za-z0-9_\-. :/]")
 
 
@@ -98,9 +99,8 @@ class RunTracker:
     ):
         self.uri = tracking_uri(config)
         self.client = open_store(self.uri)
-        self.background = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="ppoflow-mlflow"
-        )  # one: calls stay in order
+        # one: calls stay in order
+        self.background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ppoflow-mlflow")
         self.pending: list[Future] = []
         if run_id is None:
             run = self.client.create_run(
@@ -125,7 +125,18 @@ class RunTracker:
         params = [Param(key, str(value)[:6000]) for key, value in flatten(safe).items()]
         for start in range(0, len(params), 100):
             self.client.log_batch(self.run_id, params=params[start : start + 100])
-        self.client.log_text(self.run_id, OmegaConf.to_yaml(safe), "config/ppo_trainer.yaml")
+        self.client.log_text(self.run_id, OmegaConf.to_yaml(safe), CONFIG_ARTIFACT)
+
+    def log_config_change(self, step: int, changes: list[tuple[str, Any, Any]], config: DictConfig) -> None:
+        """A resume at ``step`` under a changed config (``trainer.resume_allow_config_change``): the changes in
+        ``config/resume_<step>.yaml`` and the ``ppoflow.config_changed_at_<step>`` tag, and the new config as
+        ``config/ppo_trainer.yaml`` (what an evaluation of a later checkpoint starts from). The params keep the
+        values the run started with: MLflow params cannot change."""
+        self.flush()
+        diff = OmegaConf.create({key: {"from": old, "to": new} for key, old, new in changes})
+        self.client.log_text(self.run_id, OmegaConf.to_yaml(diff), f"config/resume_{step}.yaml")
+        self.client.log_text(self.run_id, OmegaConf.to_yaml(redacted(config)), CONFIG_ARTIFACT)
+        self.set_tags({f"ppoflow.config_changed_at_{step}": ", ".join(key for key, _, _ in changes)[:5000]})
 
     def log_step(self, step: int, metrics: dict[str, float]) -> bool:
         """Log a step's metrics in one call, in the background (off the step's path; :meth:`flush` waits for it);
@@ -198,9 +209,8 @@ class RunTracker:
         except Exception:  # the store failed already: the tags below say why the run ended, if it can take them
             self.pending = []
         if self.active:
-            detail = str(error) or (
-                f"signal {error.signal}" if hasattr(error, "signal") else ""
-            )  # Prefect's TerminationSignal has no message
+            # Prefect's TerminationSignal has no message
+            detail = str(error) or (f"signal {error.signal}" if hasattr(error, "signal") else "")
             self.set_tags({"ppoflow.error": f"{type(error).__name__}: {detail}"[:5000]})
             self.finish("KILLED" if killed else "FAILED")
 

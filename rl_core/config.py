@@ -174,9 +174,8 @@ class RolloutConfig:
     # false: compiled decoding — vllm captures CUDA graphs; hf uses a static KV cache, which transformers compiles
     # with torch.compile on CUDA (on CPU the static cache runs uncompiled)
     enforce_eager: bool = True
-    free_cache_engine: bool = (
-        True  # give the KV-cache memory back after each rollout (vllm: sleep/wake_up; hf: empty the CUDA cache)
-    )
+    # give the KV-cache memory back after each rollout (vllm: sleep/wake_up; hf: empty the CUDA cache)
+    free_cache_engine: bool = True
     gpu_memory_utilization: float = 0.5  # vllm: the share of the GPU its weights + KV cache may take
     tensor_model_parallel_size: int = 1  # vllm: GPUs per engine (a divisor of the workers per node)
     max_num_seqs: int = 256  # vllm: sequences scheduled at once
@@ -330,19 +329,21 @@ class TrainerConfig:
     default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"
     resume_mode: str = "auto"  # auto | disable | resume_path
     resume_from_path: str | None = None  # a global_step_N folder, with resume_mode=resume_path
+    # a resume under a config other than its checkpoint's (flows/resume.py lists what may change without it): refused
+    # unless true; then the run goes on under the new config (workers rebuilt, new optimizer settings in force)
+    resume_allow_config_change: bool = False
     log_samples_freq: int = 25  # rollout samples table every N steps; -1 = never
     num_logged_samples: int = 16
     register_model_name: str | None = None  # register the final actor in the MLflow model registry under this name
     max_worker_restarts: int = 2  # a dead worker: rebuild the group from the latest checkpoint at most this often
-    keep_workers: bool | None = None  # a failed run leaves its workers alive for the next controller of the same run
-    # (a retry, or `ppoflow train` again); null = yes on a persistent cluster, no on
-    # the embedded one (a pending Prefect flow-run retry keeps them too)
+    # a failed run leaves its workers alive for the next controller of the same run (a retry, or `ppoflow train`
+    # again); null = yes on a persistent cluster, no on the embedded one (a pending Prefect flow-run retry keeps them)
+    keep_workers: bool | None = None
     worker_timeout_s: float = 600.0  # every remote call's timeout
     stage_retries: int = 1  # retries of idempotent stages (generate, log-probs, values) on transient errors
-    prefect_history_steps: int = (
-        1000  # the flow run keeps the stage task runs of its last N steps in Prefect (older ones
-    )
-    # are deleted: Prefect's database stays bounded on long runs); -1 = keep all
+    # the flow run keeps the stage task runs of its last N steps in Prefect (older ones are deleted: Prefect's
+    # database stays bounded on long runs); -1 = keep all
+    prefect_history_steps: int = 1000
     tracking_uri: str = "sqlite:///mlflow.db"  # MLFLOW_TRACKING_URI wins when set
     artifact_location: str = "mlartifacts"
     cache_dir: str = ".ppoflow"  # the embedded demo model and data are built here once

@@ -62,7 +62,7 @@ def test_a_watchdog_for_a_command_already_gone_ends_at_once():
 RAY_WAITING_COMMAND = """
 import argparse, sys, time
 import ray
-from flows.cli import _run_flow_command
+from flows.cli.flow_commands import run_flow_command
 from infra.cluster import connect
 
 connect(sys.argv[1], namespace="ppoflow-tests")
@@ -76,12 +76,12 @@ def flow_command(args):
     print("waiting", flush=True)
     ray.wait([ref])  # a stage waiting on its workers
 
-sys.exit(_run_flow_command(argparse.Namespace(command="train", verbose=False, flow_command=flow_command)))
+sys.exit(run_flow_command(argparse.Namespace(command="train", verbose=False, flow_command=flow_command)))
 """
 
 EXITING_COMMAND = """
 import argparse, atexit, sys, time
-from flows.cli import _run_flow_command
+from flows.cli.flow_commands import run_flow_command
 
 def slow_exit():
     print("exiting", flush=True)
@@ -91,7 +91,7 @@ def flow_command(args):
     atexit.register(slow_exit)
     return 0
 
-sys.exit(_run_flow_command(argparse.Namespace(command="train", verbose=False, flow_command=flow_command)))
+sys.exit(run_flow_command(argparse.Namespace(command="train", verbose=False, flow_command=flow_command)))
 """
 
 

@@ -79,9 +79,8 @@ def test_sigkill_of_the_controller_leaves_no_process_and_the_next_run_marks_it_k
         "trainer.val_before_train=false",
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "RAY_ADDRESS", "MLFLOW_TRACKING"))}
-    env.update(
-        PPOFLOW_HOME=str(tmp_path / "home"), PREFECT_HOME=str(tmp_path / "prefect")
-    )  # no stack: everything is the run's own
+    # no stack: everything is the run's own
+    env.update(PPOFLOW_HOME=str(tmp_path / "home"), PREFECT_HOME=str(tmp_path / "prefect"))
     log = tmp_path / "controller.log"
     with open(log, "w") as output:
         controller = subprocess.Popen(
@@ -127,14 +126,14 @@ def test_sigkill_of_the_controller_leaves_no_process_and_the_next_run_marks_it_k
 
 SLEEPING_COMMAND = """
 import argparse, sys, time
-from flows.cli import _run_flow_command
+from flows.cli.flow_commands import run_flow_command
 def flow_command(args):
     try:
         print("running", flush=True)
         time.sleep(60)
     finally:
         print("cleaned up", flush=True)  # what run_training's handlers do: mark the run, free the workers
-sys.exit(_run_flow_command(argparse.Namespace(command="train", verbose=False, flow_command=flow_command)))
+sys.exit(run_flow_command(argparse.Namespace(command="train", verbose=False, flow_command=flow_command)))
 """
 
 

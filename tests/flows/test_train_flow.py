@@ -3,6 +3,8 @@
 import itertools
 import json
 import math
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -10,11 +12,13 @@ from pathlib import Path
 import pytest
 import ray
 from mlflow.tracking import MlflowClient
+from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from flows.config import ConfigError
 from flows.prefect_view import one_line
+from flows.resume import ResumeRefused
 from flows.train import train
 from flows.workers import run_namespace
 from rl_core.algos import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
@@ -109,6 +113,62 @@ def test_resume_gives_the_same_run_as_training_straight(run_overrides, tmp_path)
     for key in compared:
         assert b[key] == a[key], key  # steps 1-4, once each, identical values
     assert sorted(b["actor/pg_loss"]) == [1, 2, 3, 4]
+
+    # the same command again: the finished run's result, nothing trained, no workers built
+    client = MlflowClient(second["tracking_uri"])
+    pids = client.get_run(second["run_id"]).data.tags["ppoflow.worker_pids"]
+    again = train(overrides=run_overrides("trainer.total_training_steps=4", *settings, folder=split))
+    assert again["already_finished"] and (again["run_id"], again["step"]) == (second["run_id"], 4)
+    assert (
+        again["val_metrics"]["val-core/ppoflow/addition/acc/mean_at_1"]
+        == a["val-core/ppoflow/addition/acc/mean_at_1"][4][0]
+    )
+    assert client.get_run(second["run_id"]).data.tags["ppoflow.worker_pids"] == pids
+
+    # another algorithm: refused before anything changes, naming the key; from the command line in seconds
+    checkpoints = sorted(str(p.relative_to(split)) for p in (split / "checkpoints").rglob("*"))
+    rloo = run_overrides("trainer.total_training_steps=5", "algorithm.adv_estimator=rloo", *settings, folder=split)
+    with pytest.raises(ResumeRefused, match="algorithm.adv_estimator: grpo -> rloo.*resume_allow_config_change"):
+        train(overrides=rloo)
+    started = time.monotonic()
+    cli = subprocess.run([sys.executable, "-m", "flows.cli", "train", *rloo], capture_output=True, text=True)
+    assert cli.returncode == 2 and "algorithm.adv_estimator: grpo -> rloo" in cli.stderr, cli.stderr
+    assert time.monotonic() - started < 10
+    cli = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "train",
+            *run_overrides("trainer.total_training_steps=4", *settings, folder=split),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert cli.returncode == 0 and f"run {second['run_id']} already finished at step 4" in cli.stdout, cli.stderr
+    assert client.get_run(second["run_id"]).info.status == "FINISHED"
+    assert sorted(str(p.relative_to(split)) for p in (split / "checkpoints").rglob("*")) == checkpoints
+
+    # allowed: one more step under half the learning rate, which the restored optimizer uses
+    lr = 0.5 * float(client.get_run(second["run_id"]).data.params["actor_rollout_ref.actor.optim.lr"])
+    more = train(
+        overrides=run_overrides(
+            "trainer.total_training_steps=5",
+            "trainer.resume_allow_config_change=true",
+            f"actor_rollout_ref.actor.optim.lr={lr}",
+            *settings,
+            folder=split,
+        )
+    )
+    history = metric_history(more["tracking_uri"], more["run_id"])
+    assert more["run_id"] == second["run_id"] and history["actor/lr"][5] == [pytest.approx(lr)]
+    assert history["actor/lr"][4] == [pytest.approx(2 * lr)]
+    run = client.get_run(more["run_id"])
+    assert run.data.tags["ppoflow.config_changed_at_4"] == "actor_rollout_ref.actor.optim.lr"
+    diff = OmegaConf.load(client.download_artifacts(more["run_id"], "config/resume_4.yaml", str(tmp_path)))
+    assert OmegaConf.to_container(diff) == {"actor_rollout_ref.actor.optim.lr": {"from": 2 * lr, "to": lr}}
+    now = OmegaConf.load(client.download_artifacts(more["run_id"], "config/ppo_trainer.yaml", str(tmp_path)))
+    assert now.actor_rollout_ref.actor.optim.lr == lr
 
 
 def test_a_worker_killed_during_step_two_is_replaced(run_overrides, tmp_path):
@@ -205,9 +265,8 @@ def test_dynamic_sampling_runs_in_the_flow(run_overrides):
 
 
 POLICY_LOSS_FOR = dict(itertools.zip_longest(sorted(ADVANTAGE_ESTIMATORS), sorted(POLICY_LOSSES), fillvalue="vanilla"))
-FAMILY_FOR = dict(
-    zip(sorted(ADVANTAGE_ESTIMATORS), itertools.cycle(sorted(FAMILIES)))
-)  # each estimator on a model family
+# each estimator on a model family
+FAMILY_FOR = dict(zip(sorted(ADVANTAGE_ESTIMATORS), itertools.cycle(sorted(FAMILIES))))
 DIGIT_SHARE = (
     "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return sum(c.isdigit() for c in "
     "solution_str) / (len(solution_str) + 1)\n"
@@ -246,9 +305,8 @@ def test_every_estimator_and_policy_loss_trains_two_steps(run_overrides, estimat
     history = metric_history(result["tracking_uri"], result["run_id"])
     assert sorted(history["actor/pg_loss"]) == [1, 2]
     assert all(math.isfinite(v[0]) for v in history["actor/pg_loss"].values())
-    assert any(
-        v[0] != 0 for v in history["critic/advantages/max"].values()
-    )  # the scores differ: something to learn from
+    # the scores differ: something to learn from
+    assert any(v[0] != 0 for v in history["critic/advantages/max"].values())
     params = MlflowClient(result["tracking_uri"]).get_run(result["run_id"]).data.params
     assert (params["algorithm.adv_estimator"], params["actor_rollout_ref.actor.policy_loss.loss_mode"]) == (
         estimator,
@@ -278,9 +336,8 @@ def test_reward_model_lora_critic_warmup_and_resume_from_a_path(run_overrides, t
     )
     first = train(overrides=run_overrides("trainer.total_training_steps=2", *settings))
     history = metric_history(first["tracking_uri"], first["run_id"])
-    assert sorted(history["critic/vf_loss"]) == [1, 2] and sorted(history["actor/pg_loss"]) == [
-        2
-    ]  # step 1: critic only
+    # step 1: critic only
+    assert sorted(history["critic/vf_loss"]) == [1, 2] and sorted(history["actor/pg_loss"]) == [2]
     assert sorted(history["val-core/ppoflow/addition/acc/mean_at_1"]) == [2]
     # the scores are the reward model's (not the 0/1 rule scores of the addition task)
     assert any(v[0] not in (0.0, 1.0) for v in history["critic/score/mean"].values())

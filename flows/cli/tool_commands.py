@@ -1,0 +1,78 @@
+"""The helper commands: ``config`` (the composed config), ``algos`` (the registries), ``make-tiny-model``,
+``prepare-gsm8k``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _print_config(args: argparse.Namespace) -> int:
+    from omegaconf import OmegaConf
+
+    from flows.config import ConfigError, compose_config
+
+    try:
+        print(OmegaConf.to_yaml(compose_config(args.overrides)), end="")
+    except ConfigError as error:
+        print(f"ppoflow config: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _list_algorithms(args: argparse.Namespace) -> int:
+    from rl_core.algos import ADVANTAGE_ESTIMATORS, KL_PENALTIES, LOSS_AGG_MODES, POLICY_LOSSES
+
+    print("advantage estimators (algorithm.adv_estimator):      " + ", ".join(sorted(ADVANTAGE_ESTIMATORS)))
+    print("policy losses (actor.policy_loss.loss_mode):          " + ", ".join(sorted(POLICY_LOSSES)))
+    print("loss aggregation (actor.loss_agg_mode):               " + ", ".join(LOSS_AGG_MODES))
+    print("KL penalties (algorithm.kl_penalty, actor.kl_loss_type): " + ", ".join(KL_PENALTIES))
+    return 0
+
+
+def _make_tiny_model(args: argparse.Namespace) -> int:
+    from rl_core.models.tiny import make_tiny_model
+
+    folder = make_tiny_model(
+        args.out, seed=args.seed, hidden_size=args.hidden_size, num_layers=args.num_layers, family=args.family
+    )
+    print(f"wrote a tiny {args.family} checkpoint to {folder} (use it as actor_rollout_ref.model.path={folder})")
+    return 0
+
+
+def _prepare_gsm8k(args: argparse.Namespace) -> int:
+    from rl_core.data.gsm8k import preprocess
+
+    for split, path in preprocess(args.source, args.out).items():
+        print(f"{split}: {path}")
+    return 0
+
+
+def add_commands(commands: argparse._SubParsersAction) -> None:
+    """``config``, ``algos``, ``make-tiny-model`` and ``prepare-gsm8k``."""
+    from rl_core.models.families import FAMILIES
+
+    config = commands.add_parser(
+        "config", help="print the composed config (every key with its value) for the given overrides"
+    )
+    config.add_argument("overrides", nargs="*", help="Hydra overrides key=value")
+    config.set_defaults(run=_print_config)
+    algos = commands.add_parser(
+        "algos", help="list the registered advantage estimators, policy losses, aggregations and KL penalties"
+    )
+    algos.set_defaults(run=_list_algorithms)
+    tiny = commands.add_parser(
+        "make-tiny-model", help="write a tiny randomly initialised model + tokenizer (no download) to OUT"
+    )
+    tiny.add_argument("out", help="output folder")
+    tiny.add_argument("--family", default="qwen2", choices=sorted(FAMILIES), help="the model family (default qwen2)")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--hidden-size", type=int, default=64)
+    tiny.add_argument("--num-layers", type=int, default=2)
+    tiny.set_defaults(run=_make_tiny_model)
+    gsm8k = commands.add_parser(
+        "prepare-gsm8k", help="convert a local copy of GSM8K (train/test jsonl or parquet) to verl's format"
+    )
+    gsm8k.add_argument("source", help="folder holding train*.jsonl / test*.jsonl (or parquet)")
+    gsm8k.add_argument("out", help="output folder for train.parquet / test.parquet")
+    gsm8k.set_defaults(run=_prepare_gsm8k)

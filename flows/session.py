@@ -1,0 +1,381 @@
+"""A training run's session: everything between loading the inputs and returning the result, except the step itself.
+
+``with TrainingSession(config, inputs) as session:`` takes the checkpoint folder (one run at a time), finds the
+checkpoint to resume from (refusing a changed config, flows/resume.py), opens the MLflow run (the checkpoint's, or a
+new one), connects to Ray and gets the workers: the run's live ones when a controller of the same run left them and
+the config is unchanged (reattached), else a fresh group; then restores the checkpoint. Inside, the recipe calls
+:meth:`step` (times it; a dead or hung worker makes it rebuild the group from the latest checkpoint, at most
+``trainer.max_worker_restarts`` times), :meth:`validate`, :meth:`record` (metrics, samples, checkpoint, console line)
+and :meth:`finish`. Leaving the block frees the workers (kept after a failure on a persistent cluster) and the folder;
+a failure marks the MLflow run FAILED (KILLED when told to stop).
+
+The workers live in a Ray namespace named after the MLflow run, so the next controller of the same run — a flow
+retry, or the command run again after a crash — finds them, and reloads their weights only when they moved past the
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+from prefect import runtime
+from prefect.context import FlowRunContext
+from prefect.exceptions import TerminationSignal
+
+from flows.prefect_view import PrefectRunView, mlflow_run_url
+from flows.resume import (
+    ResumePoint,
+    already_finished,
+    config_record,
+    find_resume_point,
+    finished_result,
+    workers_config_digest,
+)
+from flows.stages import prefect_stage_runner
+from flows.step_report import console_line, samples_table, validation_summary
+from flows.tracking import RunTracker, mark_killed, tracking_uri
+from flows.workers import build_workers, kill_worker_group, reattach_workers, run_namespace, step_workers, weights_at
+from infra.cluster import connect, is_persistent
+from infra.worker_group import WorkerDiedError, WorkerGroup, WorkerTimeoutError
+from rl_core.algos.kl import get_kl_controller
+from rl_core.batch import Batch
+from rl_core.batch_fields import ATTENTION_MASK
+from rl_core.data.dataset import RLDataset
+from rl_core.data.sampler import ResumableSampler
+from rl_core.models.loading import load_policy_tokenizer
+from rl_core.ppo_step import StepWorkers, resolved_total_steps, run_validation
+from rl_core.reward.custom import load_custom_reward_function
+from rl_core.reward.manager import RewardManager, build_reward_manager
+from rl_core.step_checkpoint import CheckpointError, FolderLock, StepCheckpoints
+
+
+@dataclass
+class TrainingInputs:
+    """What a run reads before anything starts: a bad input fails here, before any run exists."""
+
+    tokenizer: Any
+    train_data: RLDataset
+    val_data: RLDataset
+    reward_manager: RewardManager
+
+    @classmethod
+    def load(cls, config: DictConfig) -> TrainingInputs:
+        tokenizer = load_policy_tokenizer(config.actor_rollout_ref.model)
+        return cls(
+            tokenizer,
+            RLDataset(config.data.train_files, tokenizer, config.data, config.data.train_max_samples),
+            RLDataset(config.data.val_files, tokenizer, config.data, config.data.val_max_samples),
+            build_reward_manager(config, tokenizer, load_custom_reward_function(**config.custom_reward_function)),
+        )
+
+
+@dataclass
+class Progress:
+    """What a step checkpoint restores besides the weights: the step, the data position, the KL controller."""
+
+    global_step: int
+    sampler: ResumableSampler
+    kl_controller: Any
+
+    @classmethod
+    def fresh(cls, config: DictConfig, rows: int) -> Progress:
+        sampler = ResumableSampler(rows, config.data.train_batch_size, config.data.shuffle, config.data.seed)
+        return cls(0, sampler, get_kl_controller(config.algorithm.kl_ctrl))
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "global_step": self.global_step,
+            "sampler": self.sampler.state_dict(),
+            "kl_controller": self.kl_controller.state_dict(),
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.global_step = int(state["global_step"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.kl_controller.load_state_dict(state["kl_controller"])
+
+
+WORKERS_CONFIG_TAG = "ppoflow.workers_config"  # the digest of the config the run's live workers were built from
+CHECKPOINT_PARTS = {"actor_rollout_ref": "actor", "critic": "critic"}  # a role's folder in a step checkpoint
+
+
+def every(step: int, freq: int, last: int) -> bool:
+    """Due at multiples of ``freq`` and at the last step; never when ``freq`` <= 0."""
+    return freq > 0 and (step % freq == 0 or step == last)
+
+
+class TrainingSession:
+    """One training run's folder lock, MLflow run, workers and progress (see the module doc)."""
+
+    def __init__(self, config: DictConfig, inputs: TrainingInputs, tags: dict[str, str] | None = None):
+        """``tags`` go on a new MLflow run (a sweep's child carries ``mlflow.parentRunId``)."""
+        self.config, self.inputs, self.tags = config, inputs, tags
+        self.progress = Progress.fresh(config, len(inputs.train_data))
+        self.total_steps = resolved_total_steps(config, self.progress.sampler.batches_per_epoch)
+        config.actor_rollout_ref.actor.optim.total_training_steps = self.total_steps  # the LR schedules' length
+        config.critic.optim.total_training_steps = self.total_steps
+        self.checkpoints = StepCheckpoints(config.trainer.default_local_dir, config.trainer.max_ckpt_to_keep)
+        self.view = PrefectRunView(config.trainer.prefect_history_steps)
+        self.timeout = config.trainer.worker_timeout_s
+        self.run_stage = prefect_stage_runner(config.trainer.stage_retries)
+        self.group: WorkerGroup | None = None
+        self.workers: StepWorkers | None = None
+        self.tracker: RunTracker | None = None
+        self.finished_result: dict[str, Any] | None = None  # set when the run had finished already
+        self.val_metrics: dict[str, float] = {}
+        self.restarts = 0
+        self.step_started = 0.0
+
+    # ------------------------------------------------------------------ set-up and teardown
+    def __enter__(self) -> TrainingSession:
+        self.folder_lock: FolderLock = self.checkpoints.lock({"run": self.config.trainer.experiment_name})
+        try:
+            point = find_resume_point(self.config, self.checkpoints, self.view.log)
+            if point is not None and point.step > self.total_steps:
+                raise CheckpointError(
+                    f"{point.folder} is at step {point.step}, past this run's {self.total_steps} steps "
+                    "(trainer.total_training_steps / total_epochs): raise them to continue, or set "
+                    "trainer.resume_mode=disable (or another trainer.default_local_dir) to start over"
+                )
+            self.tracker = RunTracker(self.config, run_id=point.run_id if point else None, tags=self.tags)
+        except BaseException:
+            self.folder_lock.release()
+            raise
+        try:
+            self._start(point)
+        except BaseException as error:
+            self.__exit__(type(error), error, error.__traceback__)
+            raise
+        return self
+
+    def _start(self, point: ResumePoint | None) -> None:
+        tracker, config, log = self.tracker, self.config, self.view.log
+        if point is not None:
+            status = tracker.client.get_run(tracker.run_id).info.status
+            if already_finished(point, config, status, self.total_steps):
+                log(f"run {tracker.run_id} already finished at step {point.step} ({point.folder}): nothing to do")
+                self.finished_result = finished_result(
+                    point, tracker.uri, tracker.client.get_run(point.run_id).data.metrics
+                )
+                return
+            if status == "FINISHED":
+                log(f"run {tracker.run_id} finished at step {point.step}; continuing to step {self.total_steps}")
+        self.folder_lock.describe(mlflow_run_id=tracker.run_id, tracking_uri=tracker.uri)
+        if self.folder_lock.previous:
+            report_killed_controller(self.folder_lock.previous, tracker.run_id, self.checkpoints.root, log)
+        if runtime.flow_run.id:  # the inspector links the MLflow run to its Prefect flow run, and the flow run to it
+            tracker.set_tags({"ppoflow.prefect_flow_run_id": runtime.flow_run.id})
+        self.view.link_run(
+            mlflow_run_url(tracker.uri, tracker.experiment_id, tracker.run_id), tracker.run_id, self.checkpoints.root
+        )
+        connect(config.trainer.ray.address, num_cpus=config.trainer.ray.num_cpus)
+        reuse_weights = self._get_workers(point)
+        if point is not None:
+            self._restore(point.folder, load_weights=not reuse_weights)
+            if point.changes:
+                tracker.log_config_change(point.step, point.changes, config)
+                log(f"resumed under a changed config (trainer.resume_allow_config_change): {len(point.changes)} key(s)")
+            tracker.mark_running()
+            log(f"resumed from {point.folder} (step {point.step}), MLflow run {tracker.run_id}")
+
+    def _get_workers(self, point: ResumePoint | None) -> bool:
+        """The run's live workers when there are any, the config is the checkpoint's and they were built from this
+        config (``ppoflow.workers_config``), else a fresh group (what another config left is killed first). True when
+        the reattached workers hold the checkpoint's weights already."""
+        reuse_weights = False
+        built_with = self.tracker.client.get_run(self.tracker.run_id).data.tags.get(WORKERS_CONFIG_TAG)
+        same = point is not None and not point.changes and built_with == workers_config_digest(self.config)
+        # the namespace is keyed by the run: the next controller of this run finds them
+        self.group = reattach_workers(self.config, run_namespace(self.tracker.run_id)) if same else None
+        if self.group is not None:
+            reuse_weights = weights_at(self.group, point.state, self.timeout)
+            self.view.log(
+                f"reattached to the run's {self.group.world_size} live worker(s): "
+                + ("their weights are the checkpoint's" if reuse_weights else "reloading the checkpoint's weights")
+            )
+        else:
+            if point is not None:
+                kill_worker_group(self.tracker.run_id)  # workers built with the old config never serve the new one
+            self._build_group()
+        self._use_group()
+        return reuse_weights
+
+    def _build_group(self) -> None:
+        """A fresh worker group for the run, every model loaded; the run is tagged with the config it was built from."""
+        self.group = build_workers(self.config, run_namespace(self.tracker.run_id), log=self.view.log)
+        self.tracker.set_tags({WORKERS_CONFIG_TAG: workers_config_digest(self.config)})
+
+    def _use_group(self) -> None:
+        self.tracker.set_tags({"ppoflow.worker_pids": ",".join(str(r["pid"]) for r in self.group.health(self.timeout))})
+        self.workers = step_workers(self.group, self.timeout, self.config.reward.timeout_s)
+
+    def __exit__(self, kind: type | None, error: BaseException | None, traceback: Any) -> None:
+        try:
+            if error is not None and self.tracker is not None:
+                self.tracker.fail(error, killed=told_to_stop(error))
+            if self.group is not None and (error is None or not keeps_workers_on_failure(self.config, error)):
+                self.group.kill()
+            self.view.close(timeout_s=30 if error is None else 5)
+        finally:
+            self.folder_lock.release()
+
+    # ------------------------------------------------------------------ the loop's parts
+    @contextmanager
+    def step(self, step: int) -> Iterator[None]:
+        """Step ``step`` runs inside: timed, and a dead or hung worker rebuilds the worker group and rewinds to the
+        latest checkpoint (the loop then runs the steps after it again)."""
+        self.view.step_started(step)
+        self.step_started = time.perf_counter()
+        try:
+            yield
+        except (WorkerDiedError, WorkerTimeoutError) as error:
+            if self.restarts >= self.config.trainer.max_worker_restarts:
+                raise
+            self.restarts += 1
+            self.view.log(
+                f"{error} -> rebuilding the worker group "
+                f"(restart {self.restarts}/{self.config.trainer.max_worker_restarts})"
+            )
+            self.tracker.set_tags({"ppoflow.worker_restarts": self.restarts})
+            self.group.kill()
+            self._build_group()
+            self._use_group()
+            self.progress = Progress.fresh(self.config, len(self.inputs.train_data))
+            latest = self.checkpoints.latest_step()
+            if latest is not None:
+                self._restore(self.checkpoints.step_dir(latest))
+
+    def validate(self) -> dict[str, float]:
+        """Greedy validation on the validation set (``actor_rollout_ref.rollout.val_kwargs``)."""
+        inputs = self.inputs
+        self.val_metrics = run_validation(self.config, self.workers, inputs.val_data, inputs.reward_manager)
+        return self.val_metrics
+
+    def validate_before_training(self) -> None:
+        """Step 0's validation (``trainer.val_before_train``), for a run that starts from scratch."""
+        if (
+            self.config.trainer.val_before_train
+            and self.progress.global_step == 0
+            and self.config.trainer.test_freq > 0
+        ):
+            self.tracker.log_step(0, self.validate())
+            self.view.log(console_line(0, self.total_steps, self.val_metrics, 0.0))
+
+    def record(self, step: int, batch: Batch, metrics: dict[str, float]) -> None:
+        """Step ``step`` is done: throughput metrics, MLflow (metrics, samples), the checkpoint when due, the console
+        line and the progress artifact."""
+        trainer, total = self.config.trainer, self.total_steps
+        seconds = time.perf_counter() - self.step_started
+        tokens = float(batch.tensors[ATTENTION_MASK].sum())
+        metrics.update(
+            {
+                "perf/time_per_step": seconds,
+                "perf/total_num_tokens": tokens,
+                "perf/throughput": tokens / seconds / self.group.world_size,
+                "training/epoch": float(self.progress.sampler.epoch),
+            }
+        )
+        self.progress.global_step = step
+        if self.tracker.log_step(step, metrics) and every(step, trainer.log_samples_freq, total):
+            samples = samples_table(batch, self.inputs.tokenizer, trainer.num_logged_samples)
+            self.tracker.log_samples(step, samples)
+        if every(step, trainer.save_freq, total):
+            self.save_checkpoint()
+        self.view.log(console_line(step, total, metrics, seconds))
+        latest_val = validation_summary(self.val_metrics)
+        summary = f"score {metrics.get('critic/score/mean', 0):.3f}" + (f" | val {latest_val}" if latest_val else "")
+        self.view.progress(step, total, summary, force=step in (1, total))
+
+    def save_checkpoint(self) -> Path:
+        staging = self.checkpoints.staging_dir(self.progress.global_step)
+        for role, part in CHECKPOINT_PARTS.items():
+            if role in self.group.roles:
+                self.group.role(role).save_checkpoint(
+                    str(staging / part), timeout_s=self.timeout, stage="save_checkpoint"
+                )
+        state = {
+            **self.progress.state(),
+            "mlflow_run_id": self.tracker.run_id,
+            "worker_steps": self.group.health(self.timeout)[0]["steps_trained"],  # a reattached group may skip a load
+            "total_steps": self.total_steps,
+            "config": config_record(self.config),  # a resume compares its config with this (flows/resume.py)
+        }
+        self.tracker.flush()  # every step the checkpoint holds is in MLflow before the checkpoint exists
+        folder = self.checkpoints.commit(self.progress.global_step, state)
+        latest = {
+            "checkpoint/latest": folder.resolve(),
+            f"checkpoint/global_step_{self.progress.global_step}": folder.resolve(),
+        }
+        self.tracker.set_tags(latest)
+        return folder
+
+    def _restore(self, folder: Path, load_weights: bool = True) -> None:
+        """The data position and KL controller from the step checkpoint ``folder``, and (``load_weights``) the
+        workers' weights, optimizers (under the config's settings) and RNG."""
+        if load_weights:
+            for role, part in CHECKPOINT_PARTS.items():
+                if role in self.group.roles:
+                    self.group.role(role).load_checkpoint(
+                        str(folder / part), timeout_s=self.timeout, stage="load_checkpoint"
+                    )
+        self.progress.load_state(self.checkpoints.trainer_state(folder))
+
+    def finish(self) -> None:
+        """The final policy: the last step's checkpoint (written now unless it exists), its actor uploaded as the
+        run's HF-format MLflow model; the run FINISHED."""
+        if self.checkpoints.latest_step() != self.total_steps:
+            self.save_checkpoint()
+        final = self.checkpoints.step_dir(self.total_steps)
+        self.tracker.log_final_model(final / "actor", self.config.trainer.register_model_name)
+        self.tracker.finish()
+
+    def result(self) -> dict[str, Any]:
+        """The run's summary: what the command line prints as its last line."""
+        if self.finished_result is not None:
+            return self.finished_result
+        return {
+            "tracking_uri": tracking_uri(self.config),
+            "run_id": self.tracker.run_id,
+            "step": self.progress.global_step,
+            "checkpoint_dir": str(self.checkpoints.step_dir(self.total_steps).resolve()),
+            "val_metrics": self.val_metrics,
+        }
+
+
+def keeps_workers_on_failure(config: DictConfig, error: BaseException | None) -> bool:
+    """``trainer.keep_workers`` (unset: yes on a persistent cluster, no on the embedded one, which ends with this
+    process anyway, nor after an interrupt: the user asked to stop), or a Prefect retry of this flow run is still to
+    come (it reattaches to them)."""
+    context = FlowRunContext.get()
+    retry_pending = context is not None and (runtime.flow_run.run_count or 1) <= (context.flow.retries or 0)
+    keep = config.trainer.keep_workers
+    if keep is None:
+        keep = is_persistent() and not told_to_stop(error)
+    return bool(keep) or retry_pending
+
+
+def told_to_stop(error: BaseException | None) -> bool:
+    """SIGINT (KeyboardInterrupt) or SIGTERM (Prefect turns it into TerminationSignal inside a flow run; a cancelled
+    deployment run gets one too): the run was stopped on purpose."""
+    return isinstance(error, (KeyboardInterrupt, TerminationSignal))
+
+
+def report_killed_controller(holder: dict[str, Any], run_id: str, folder: Path, log=print) -> None:
+    """The checkpoint folder's lock still named ``holder``: its controller was killed before it let go. Its MLflow run
+    is marked KILLED, unless it is ``run_id``, the run this controller continues."""
+    killed_run = holder.get("mlflow_run_id")
+    who = f"pid {holder.get('pid')}, started {holder.get('started')}"
+    if killed_run == run_id:
+        log(f"the previous controller of MLflow run {run_id} ({who}) was killed; continuing the run")
+    elif killed_run and mark_killed(
+        holder.get("tracking_uri") or "",
+        killed_run,
+        f"its controller ({who}) was killed; found by the next run in {folder}",
+    ):
+        log(f"MLflow run {killed_run} in {folder} was left RUNNING by a killed controller ({who}): marked KILLED")

@@ -1,0 +1,42 @@
+"""Prefect's temporary server (flows/prefect_server.py): a command stops it only after it recorded the command's runs,
+so that a run that succeeded ends without the server's shutdown tracebacks, and no task run's last state is lost."""
+
+import os
+import sqlite3
+import subprocess
+import sys
+
+from tests.conftest import ROOT
+
+MANY_TASKS = """
+import sys
+from prefect import flow
+from flows.prefect_server import configure_prefect, start_temporary_server, stop_temporary_server
+from flows.stages import TASK_RUNS, prefect_stage_runner
+
+def stage(i):
+    return i
+
+@flow
+def many(n):
+    run_stage = prefect_stage_runner(retries=0)
+    return sum(run_stage("stage", stage, i) for i in range(n))
+
+configure_prefect()
+start_temporary_server()()
+many(int(sys.argv[1]))
+stop_temporary_server(TASK_RUNS["started"])
+"""
+
+def test_the_temporary_server_stops_after_recording_every_task_run(tmp_path):
+    # 200 task runs in ~2 s leave the server's task-run recorder a backlog of several seconds at the flow's end
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env["PREFECT_HOME"] = str(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-c", MANY_TASKS, "200"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=180
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0 and "Traceback" not in output and " ERROR " not in output, output[-3000:]
+    with sqlite3.connect(tmp_path / "prefect.db") as db:
+        states = dict(db.execute("select state_type, count(*) from task_run group by state_type").fetchall())
+    assert states == {"COMPLETED": 200}
