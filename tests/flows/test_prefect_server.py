@@ -28,6 +28,7 @@ many(int(sys.argv[1]))
 stop_temporary_server(TASK_RUNS["started"])
 """
 
+
 def test_the_temporary_server_stops_after_recording_every_task_run(tmp_path):
     # 200 task runs in ~2 s leave the server's task-run recorder a backlog of several seconds at the flow's end
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
