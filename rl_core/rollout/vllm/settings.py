@@ -13,12 +13,15 @@ VLLM_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float
 WORKER_EXTENSION = "rl_core.rollout.vllm.worker_extension.ActorWeightLoader"
 
 
-def engine_arguments(rollout_config: Any, model_config: Any, compute_dtype: torch.dtype) -> dict[str, Any]:
+def engine_arguments(
+    rollout_config: Any, model_config: Any, compute_dtype: torch.dtype, on_cpu: bool = False
+) -> dict[str, Any]:
     """Keyword arguments of ``vllm.LLM`` for the hybrid engine.
 
     The engine starts with dummy weights (``load_format="dummy"``): the actor pushes its own right after (they may
     differ from the checkpoint: override_config, a LoRA adapter, a resumed run). It computes in the actor's compute
-    dtype; sleep mode is on with ``free_cache_engine`` so that its memory goes back to training between rollouts.
+    dtype; sleep mode is on with ``free_cache_engine`` so that its memory goes back to training between rollouts
+    (not ``on_cpu``: vLLM's CPU build refuses it).
     With ``tensor_model_parallel_size`` > 1 the engine joins the worker group's torch.distributed ranks
     (``external_launcher``: one TP rank per worker process) instead of starting processes of its own.
     """
@@ -37,7 +40,7 @@ def engine_arguments(rollout_config: Any, model_config: Any, compute_dtype: torc
         "distributed_executor_backend": "external_launcher" if tp > 1 else "uni",
         "gpu_memory_utilization": float(rollout_config.gpu_memory_utilization),
         "enforce_eager": bool(rollout_config.enforce_eager),
-        "enable_sleep_mode": bool(rollout_config.free_cache_engine),
+        "enable_sleep_mode": bool(rollout_config.free_cache_engine) and not on_cpu,
         "max_model_len": int(max_model_len),
         "max_num_seqs": int(rollout_config.max_num_seqs),
         "worker_extension_cls": WORKER_EXTENSION,
