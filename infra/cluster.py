@@ -11,6 +11,7 @@ An address that does not answer is an error within ``timeout_s`` seconds instead
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -19,6 +20,7 @@ import socket
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import ray
 
@@ -183,6 +185,17 @@ def start_local_head(port: int, num_cpus: int | None = None, resources: str | No
     return f"127.0.0.1:{port}"
 
 
-def stop_local_head() -> None:
-    ray_cli = shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
-    subprocess.run([ray_cli, "stop", "--force"], check=False, capture_output=True)
+def stop_local_head(address: str) -> None:
+    """Kill the head :func:`start_local_head` started at ``address``: every process whose command line names its port
+    (GCS, raylet, agents, workers), as ``ray stop --force`` does, and nothing else (``ray stop`` ends every Ray cluster
+    of the user on the machine: another test session's, a user's own)."""
+    port = address.rsplit(":", 1)[1]
+    marks = (f"127.0.0.1:{port}", f"--gcs_server_port={port}")
+    for entry in os.scandir("/proc"):
+        try:
+            command = Path(entry.path, "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if entry.name.isdigit() and int(entry.name) != os.getpid() and any(mark in command for mark in marks):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(entry.name), signal.SIGKILL)

@@ -56,7 +56,7 @@ def ray_address():
     connect(address, namespace="ppoflow-tests")
     yield address
     ray.shutdown()
-    stop_local_head()
+    stop_local_head(address)
 
 
 @pytest.fixture(scope="session")
