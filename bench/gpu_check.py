@@ -2,6 +2,7 @@
 
     python bench/gpu_check.py                 # on a GPU: a Qwen2-0.5B-shaped model (random init), bf16, ~1-2 min
     python bench/gpu_check.py --device cpu    # tiny sizes on the CPU (CI runs this): the same code paths, seconds
+    python bench/gpu_check.py --out $OUT      # also writes gpu_check.log (all it prints) and gpu_check.json there
 
 It needs only torch, transformers, peft and safetensors (what a bare GPU machine has): no Ray, Prefect, MLflow, vLLM,
 OmegaConf or pyarrow, and no network — the model, its tokenizer and the prompts (the demo's addition task) are built
@@ -28,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -190,13 +192,34 @@ def speed(folder: Path, data_path: Path, device: str, steps: int) -> dict[str, f
     return result
 
 
+class Tee:
+    """A text stream writing to several (the console and the log file)."""
+
+    def __init__(self, *streams: Any):
+        self.streams = streams
+
+    def write(self, text: str) -> int:
+        for stream in self.streams:
+            stream.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        for stream in self.streams:
+            stream.flush()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--steps", type=int, default=4, help="GRPO steps of the speed part (the first is a warm-up)")
+    parser.add_argument("--out", type=Path, help="a folder for gpu_check.log (everything printed) and gpu_check.json")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no GPU here; run with --device cpu")
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        log = open(args.out / "gpu_check.log", "w")  # noqa: SIM115 (open until the process ends)
+        sys.stdout, sys.stderr = Tee(sys.stdout, log), Tee(sys.stderr, log)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
@@ -212,6 +235,8 @@ def main() -> int:
     for key, value in result.items():
         print(f"{key:32} {value:.4g}" if isinstance(value, float) else f"{key:32} {value}")
     print(json.dumps(result))
+    if args.out is not None:
+        (args.out / "gpu_check.json").write_text(json.dumps(result, indent=1))
     return 0 if result["parity/ok"] == 1.0 else 1
 
 
