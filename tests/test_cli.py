@@ -39,3 +39,11 @@ def test_config_prints_the_composed_config_with_the_overrides():
     assert composed["data"]["train_batch_size"] == 64
     assert composed["critic"]["rollout_n"] == 3  # interpolations resolved
     assert composed["actor_rollout_ref"]["actor"]["optim"]["lr"] == 1.0e-3  # the one default, from rl_core/config.py
+
+
+def test_tools_call_runs_one_call_of_a_built_in_or_configured_tool(tmp_path):
+    assert ppoflow("tools", "call", "calculator", '{"expression": "37*48"}').stdout == "1776\n"
+    assert ppoflow("tools", "call", "python", '{"code": "print(2**10)"}').stdout == "1024\n"
+    (tmp_path / "tools.yaml").write_text("tools: []")
+    refused = ppoflow("tools", "call", "--config", str(tmp_path / "tools.yaml"), "calculator", "{}")
+    assert refused.returncode == 2 and "expected `tools:` with a list" in refused.stderr

@@ -3,7 +3,7 @@
 * flows/cli/flow_commands.py: ``train``, ``sweep``, ``evaluate`` (the flows);
 * flows/cli/stack_commands.py: ``up``, ``down``, ``status``, ``workers``, ``ui`` (the local stack and the cluster);
 * flows/cli/deploy_commands.py: ``serve``, ``deploy``, ``k8s-render`` (deployments);
-* flows/cli/tool_commands.py: ``config``, ``algos``, ``make-tiny-model``, ``prepare-gsm8k``.
+* flows/cli/tool_commands.py: ``config``, ``algos``, ``make-tiny-model``, ``prepare-gsm8k``, ``tools call``.
 
 Commands import what they use when they run, so that a quick command does not pay for Prefect, Ray or MLflow.
 """

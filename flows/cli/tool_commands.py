@@ -1,5 +1,5 @@
 """The helper commands: ``config`` (the composed config), ``algos`` (the registries), ``make-tiny-model``,
-``prepare-gsm8k``."""
+``prepare-gsm8k``, ``tools call`` (one call of a tool)."""
 
 from __future__ import annotations
 
@@ -48,8 +48,28 @@ def _prepare_gsm8k(args: argparse.Namespace) -> int:
     return 0
 
 
+def _call_tool(args: argparse.Namespace) -> int:
+    import json
+
+    from rl_core.agent.tools.base import call_tool
+    from rl_core.agent.tools.registry import ToolConfigError, builtin_tool, load_tools
+
+    try:
+        tools = load_tools(args.config) if args.config else None
+        if tools is not None and args.name not in tools:
+            raise ToolConfigError(f"{args.config} has no tool {args.name!r} (it has {', '.join(sorted(tools))})")
+        tool = tools[args.name] if tools is not None else builtin_tool(args.name)
+        arguments = json.loads(args.arguments)
+    except (ToolConfigError, json.JSONDecodeError) as error:
+        print(f"ppoflow tools call: {error}", file=sys.stderr)
+        return 2
+    text = call_tool(tool, arguments).text
+    print(text, end="" if text.endswith("\n") else "\n")
+    return 0
+
+
 def add_commands(commands: argparse._SubParsersAction) -> None:
-    """``config``, ``algos``, ``make-tiny-model`` and ``prepare-gsm8k``."""
+    """``config``, ``algos``, ``make-tiny-model``, ``prepare-gsm8k`` and ``tools call``."""
     from rl_core.models.families import FAMILIES
 
     config = commands.add_parser(
@@ -76,3 +96,10 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     gsm8k.add_argument("source", help="folder holding train*.jsonl / test*.jsonl (or parquet)")
     gsm8k.add_argument("out", help="output folder for train.parquet / test.parquet")
     gsm8k.set_defaults(run=_prepare_gsm8k)
+    tools = commands.add_parser("tools", help="try a tool a policy can call: `ppoflow tools call NAME 'JSON'`")
+    actions = tools.add_subparsers(dest="action", required=True)
+    call = actions.add_parser("call", help="run one call of a tool and print what the policy would read")
+    call.add_argument("name", help="the tool's name (built in without --config: calculator, python)")
+    call.add_argument("arguments", help='its arguments as a JSON object, e.g. \'{"expression": "37*48"}\'')
+    call.add_argument("--config", help="a tool YAML (verl's format) to take the tool from")
+    call.set_defaults(run=_call_tool)

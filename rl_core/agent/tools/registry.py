@@ -1,0 +1,72 @@
+"""Which tools a run has: verl's tool YAML (``multi_turn.tool_config_path``), or the built-in tools by name.
+
+```yaml
+tools:
+  - class_name: rl_core.agent.tools.calculator.CalculatorTool
+    config: {type: native}
+    tool_schema: {type: function, function: {name: calculator, description: ..., parameters: {...}}}
+```
+Every problem names the file and the tool (its position and name)."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rl_core.agent.tools import calculator, python_sandbox
+from rl_core.agent.tools.base import BaseTool
+
+BUILTIN = {
+    "calculator": (calculator.CalculatorTool, calculator.SCHEMA),
+    "python": (python_sandbox.PythonTool, python_sandbox.SCHEMA),
+}
+
+
+class ToolConfigError(ValueError):
+    """The tool YAML cannot be used."""
+
+
+def builtin_tool(name: str, config: dict[str, Any] | None = None) -> BaseTool:
+    if name not in BUILTIN:
+        raise ToolConfigError(f"no built-in tool {name!r}: the built-in ones are {', '.join(sorted(BUILTIN))}")
+    cls, schema = BUILTIN[name]
+    return cls(config or {}, schema)
+
+
+def load_tools(path: str | Path) -> dict[str, BaseTool]:
+    """{name: tool} of the tool YAML at ``path``."""
+    path = Path(path)
+    try:
+        document = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as error:
+        raise ToolConfigError(f"tool config {path}: cannot read it ({error})") from None
+    entries = document.get("tools") if isinstance(document, dict) else None
+    if not isinstance(entries, list) or not entries:
+        raise ToolConfigError(f"tool config {path}: expected `tools:` with a list of tools")
+    tools: dict[str, BaseTool] = {}
+    for index, entry in enumerate(entries):
+        where = f"tool config {path}, tool {index}"
+        if not isinstance(entry, dict) or not {"class_name", "tool_schema"} <= set(entry):
+            raise ToolConfigError(f"{where}: needs class_name and tool_schema (and optionally config)")
+        try:
+            name = entry["tool_schema"]["function"]["name"]
+        except (KeyError, TypeError):
+            raise ToolConfigError(f"{where}: tool_schema needs function.name (OpenAI's function schema)") from None
+        where = f"{where} ({name})"
+        module_name, _, class_name = str(entry["class_name"]).rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError, ValueError) as error:
+            raise ToolConfigError(f"{where}: cannot import class_name {entry['class_name']!r} ({error})") from None
+        if not (isinstance(cls, type) and issubclass(cls, BaseTool)):
+            raise ToolConfigError(f"{where}: {entry['class_name']} is not a BaseTool (rl_core.agent.tools.base)")
+        if name in tools:
+            raise ToolConfigError(f"{where}: a second tool named {name!r}")
+        try:
+            tools[name] = cls(entry.get("config") or {}, entry["tool_schema"])
+        except Exception as error:
+            raise ToolConfigError(f"{where}: {error}") from None
+    return tools
