@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rl_core.batch import Batch
+from rl_core.batch import Batch, response_ends
 from rl_core.batch_fields import (
     ADVANTAGES,
     ATTENTION_MASK,
@@ -44,7 +44,7 @@ def samples_table(batch: Batch, tokenizer: Any, count: int) -> dict[str, list]:
     tokens by them)."""
     rows = list(range(0, len(batch), max(1, len(batch) // count)))[:count]
     tensors = batch.tensors
-    lengths = tensors[RESPONSE_MASK].sum(-1).tolist()
+    lengths = response_ends(tensors[RESPONSE_MASK]).tolist()
     prompt_width = tensors[PROMPTS].shape[1]
     table = {
         "prompt": [

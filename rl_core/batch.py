@@ -234,3 +234,11 @@ def _values_equal(a: Any, b: Any) -> bool:
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return bool(np.array_equal(np.asarray(a, dtype=object), np.asarray(b, dtype=object)))
     return a == b
+
+
+def response_ends(response_mask: torch.Tensor) -> torch.Tensor:
+    """Per row, the index after its last policy token (0 when there is none): where the response ends. A single-turn
+    response's mask is a prefix of 1s, so this is its length; a multi-turn one has holes (tool output, masked 0), and
+    its score belongs on the last policy token and its text runs up to it."""
+    positions = torch.arange(1, response_mask.shape[-1] + 1, device=response_mask.device)
+    return (response_mask.bool() * positions).amax(dim=-1).long()

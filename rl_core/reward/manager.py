@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from rl_core.batch import Batch
+from rl_core.batch import Batch, response_ends
 from rl_core.batch_fields import EXTRA_INFO, RESPONSE_MASK, RESPONSES, REWARD_MODEL
 from rl_core.config import DataConfig, RewardConfig
 from rl_core.reward.scorers import default_compute_score
@@ -106,13 +106,14 @@ class RewardManager:
         """Score ``batch``'s responses: the reward model's ``rm_scores`` (B, R) when given, else the scoring function;
         then DAPO's overlong penalty (either way)."""
         response_mask = batch.tensors[RESPONSE_MASK]
-        lengths = response_mask.sum(dim=-1).long()
+        lengths = response_mask.sum(dim=-1).long()  # the policy's tokens (the overlong penalty counts them)
+        ends = response_ends(response_mask)  # the text and the score run to the last policy token
         if rm_scores is not None:
             scores_t, extra_info, failures = rm_scores.float().sum(-1), {}, 0
         else:
             responses = batch.tensors[RESPONSES]
             solutions = [
-                self.tokenizer.decode(responses[i, : lengths[i]], skip_special_tokens=True) for i in range(len(batch))
+                self.tokenizer.decode(responses[i, : ends[i]], skip_special_tokens=True) for i in range(len(batch))
             ]
             sources = [str(s) for s in batch.non_tensors[self.reward_fn_key]]
             truths = [
@@ -131,7 +132,7 @@ class RewardManager:
             metrics["reward/overlong_ratio"] = float((penalty < 0).float().mean())
         token_level_scores = torch.zeros(response_mask.shape, dtype=torch.float32)
         rows = torch.arange(len(batch))
-        token_level_scores[rows, (lengths - 1).clamp(min=0)] = scores_t * (lengths > 0).float()
+        token_level_scores[rows, (ends - 1).clamp(min=0)] = scores_t * (ends > 0).float()
         return RewardResult(token_level_scores, extra_info, metrics)
 
     def _score_in_time(

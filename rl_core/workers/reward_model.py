@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForSequenceClassification
 
-from rl_core.batch import Batch
+from rl_core.batch import Batch, response_ends
 from rl_core.batch_fields import (
     ATTENTION_MASK,
     INPUT_IDS,
@@ -67,7 +67,7 @@ class RewardModelWorker:
         return head(hidden[torch.arange(hidden.shape[0]), last]).squeeze(-1).float()
 
     def _retokenize(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        lengths = batch.tensors[RESPONSE_MASK].sum(-1)
+        lengths = response_ends(batch.tensors[RESPONSE_MASK])
         texts = []
         for i in range(len(batch)):
             response = self.policy_tokenizer.decode(batch.tensors[RESPONSES][i, : lengths[i]], skip_special_tokens=True)
@@ -100,7 +100,7 @@ class RewardModelWorker:
                     )
                 )
         response_mask = batch.tensors[RESPONSE_MASK]
-        last = (response_mask.sum(-1) - 1).clamp(min=0)
+        last = (response_ends(response_mask) - 1).clamp(min=0)
         rm_scores = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
         rm_scores[torch.arange(len(batch), device=last.device), last] = torch.cat(scores)
         return Batch({RM_SCORES: rm_scores})

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from rl_core.batch import Batch
+from rl_core.batch import Batch, response_ends
 from rl_core.config import DataConfig, OverlongBufferConfig, RewardConfig
 from rl_core.reward.custom import load_custom_reward_function
 from rl_core.reward.manager import RewardManager, RewardScoringError, RewardTimeoutError
@@ -57,6 +57,31 @@ def test_score_lands_on_the_last_valid_response_token():
     expected[0, 2], expected[2, 2] = 1.0, 1.0  # "12" + EOS: index 2; "7" wrong
     assert torch.equal(result.token_level_scores, expected)
     assert result.metrics["reward/score_failures"] == 0
+
+
+def test_a_multi_turn_response_is_scored_on_its_last_policy_token_and_read_through_the_tool_output():
+    """Tool output inside a response is masked 0: the score still goes on the last policy token (not on the token
+    the mask's sum points at), and the solution text runs through the tool output up to it."""
+    batch = response_batch(["1+1", "x"], ["ppoflow/addition"] * 2, ["1+12", "x"])
+    tool_output = "=2"  # the policy wrote "1+1", a tool answered "=2", the policy wrote "2" + EOS
+    batch.tensors["responses"][0, :7] = torch.tensor([ord(c) for c in "1+1" + tool_output + "2"] + [0])
+    batch.tensors["response_mask"][0, :7] = torch.tensor([1, 1, 1, 0, 0, 1, 1])
+    seen = []
+
+    def score(data_source, solution_str, ground_truth, extra_info=None):
+        seen.append(solution_str)
+        return 1.0
+
+    result = RewardManager(CharTokenizer(), compute_score=score)(batch)
+    assert seen == ["1+1=22", "x"]
+    assert result.token_level_scores[0].nonzero().flatten().tolist() == [6]  # the EOS after "2", not index 4
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_response_ends_by_a_plain_loop(seed):
+    mask = (torch.rand(16, 9, generator=torch.Generator().manual_seed(seed)) > 0.6).long()
+    expected = [max((i + 1 for i in range(9) if row[i]), default=0) for row in mask.tolist()]
+    assert response_ends(mask).tolist() == expected
 
 
 def test_custom_function_from_a_file_with_dict_results(tmp_path):
