@@ -17,6 +17,7 @@ from the distribution whose log-probs are trained.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from rl_core.batch_fields import (
     PROMPTS,
     RESPONSE_MASK,
     RESPONSES,
+    ROLLOUT_LOG_PROBS,
     VAL_KWARGS,
     VALIDATE,
 )
@@ -41,6 +43,32 @@ from rl_core.batch_fields import (
 
 class RolloutEngine(Protocol):
     def generate_sequences(self, prompts: Batch) -> Batch: ...
+
+
+@dataclass
+class TokenSample:
+    """One continuation drawn by :meth:`TokenEngine.generate_tokens`: the sampled ids exactly as drawn, up to and
+    including the first stop token or the row's budget; their log-probs (with ``rollout.calculate_log_probs``);
+    ``finish_reason`` ``stop`` (ended on a stop token) or ``length`` (ran out of budget)."""
+
+    token_ids: list[int]
+    log_probs: list[float] | None
+    finish_reason: str
+
+
+class TokenEngine(RolloutEngine, Protocol):
+    """An engine that also continues token contexts (the multi-turn primitive, :mod:`rl_core.agent.runner`).
+
+    ``rollout(meta_info)`` is a context manager around one rollout's calls (the engine ready to sample, its memory
+    released after); ``generate_tokens`` gives one continuation per context, at most ``max_new_tokens[i]`` tokens,
+    sampled with ``params`` from the random stream ``seed`` (a :func:`sampling_seed`), the contexts left-padded to at
+    least ``width``."""
+
+    def rollout(self, meta_info: dict[str, Any]) -> contextlib.AbstractContextManager: ...
+
+    def generate_tokens(
+        self, contexts: list[list[int]], max_new_tokens: list[int], params: SamplingParams, seed: int, width: int = 0
+    ) -> list[TokenSample]: ...
 
 
 ROLLOUT_ENGINES: dict[str, Callable[..., RolloutEngine]] = {}
@@ -119,12 +147,34 @@ def response_mask_until_stop(responses: torch.Tensor, stop_token_ids: list[int])
     return (stops_before == 0).long()
 
 
+def prompt_contexts(prompts: Batch) -> list[list[int]]:
+    """Each prompt row's token ids without its left padding."""
+    ids, mask = prompts.tensors[INPUT_IDS], prompts.tensors[ATTENTION_MASK].bool()
+    return [ids[row][mask[row]].tolist() for row in range(len(prompts))]
+
+
+def cut_at_stop(token_ids: list[int], stop_ids: list[int], budget: int) -> TokenSample:
+    """``token_ids`` (one generated row) up to and including its first stop token, at most ``budget`` tokens long."""
+    stops = set(stop_ids)
+    for index, token in enumerate(token_ids[:budget]):
+        if token in stops:
+            return TokenSample(token_ids[: index + 1], None, "stop")
+    return TokenSample(token_ids[:budget], None, "length")
+
+
 def assemble_sequences(
-    prompts: Batch, responses: torch.Tensor, response_mask: torch.Tensor, pad_token_id: int
+    prompts: Batch,
+    responses: torch.Tensor,
+    response_mask: torch.Tensor,
+    pad_token_id: int,
+    response_attention_mask: torch.Tensor | None = None,
 ) -> Batch:
-    """The sequence batch of the module doc from prompts and their sampled responses (one per row)."""
+    """The sequence batch of the module doc from prompts and their sampled responses (one per row).
+    ``response_attention_mask`` (default: ``response_mask``) marks the response's real tokens: a multi-turn response
+    has real tokens the policy did not sample (tool output, mask 0) that are attended to all the same."""
     prompt_ids = prompts.tensors[INPUT_IDS]
-    responses = torch.where(response_mask.bool(), responses, torch.full_like(responses, pad_token_id))
+    real = response_mask if response_attention_mask is None else response_attention_mask
+    responses = torch.where(real.bool(), responses, torch.full_like(responses, pad_token_id))
     prompt_positions = prompts.tensors[POSITION_IDS]
     step = torch.arange(1, responses.shape[1] + 1, device=responses.device).unsqueeze(0)
     response_positions = prompt_positions[:, -1:] + step
@@ -133,7 +183,39 @@ def assemble_sequences(
         RESPONSES: responses,
         RESPONSE_MASK: response_mask,
         INPUT_IDS: torch.cat([prompt_ids, responses], dim=-1),
-        ATTENTION_MASK: torch.cat([prompts.tensors[ATTENTION_MASK], response_mask], dim=-1),
+        ATTENTION_MASK: torch.cat([prompts.tensors[ATTENTION_MASK], real.to(response_mask.dtype)], dim=-1),
         POSITION_IDS: torch.cat([prompt_positions, response_positions], dim=-1),
     }
     return Batch(tensors, dict(prompts.non_tensors), dict(prompts.meta_info))
+
+
+def assemble_samples(
+    prompts: Batch,
+    samples: list[TokenSample],
+    response_length: int,
+    pad_token_id: int,
+    masks: list[list[int]] | None = None,
+) -> Batch:
+    """The sequence batch of one response per prompt row from token lists (right-padded to ``response_length``):
+    ``masks`` (default: all 1) marks which response tokens the policy sampled, the rest of each token list being real
+    tokens it did not sample (tool output); ``rollout_log_probs`` when the samples carry log-probs, 0 where the mask
+    is 0."""
+    rows = len(samples)
+    responses = torch.full((rows, response_length), pad_token_id, dtype=torch.long)
+    response_mask = torch.zeros((rows, response_length), dtype=torch.long)
+    attention = torch.zeros((rows, response_length), dtype=torch.long)
+    log_probs = torch.zeros((rows, response_length), dtype=torch.float32)
+    for row, sample in enumerate(samples):
+        length = len(sample.token_ids)
+        responses[row, :length] = torch.tensor(sample.token_ids, dtype=torch.long)
+        attention[row, :length] = 1
+        response_mask[row, :length] = torch.tensor(masks[row], dtype=torch.long) if masks is not None else 1
+        if sample.log_probs is not None:
+            log_probs[row, :length] = torch.tensor(sample.log_probs, dtype=torch.float32)
+    device = prompts.tensors[INPUT_IDS].device
+    out = assemble_sequences(
+        prompts, responses.to(device), response_mask.to(device), pad_token_id, attention.to(device)
+    )
+    if samples and samples[0].log_probs is not None:
+        out.tensors[ROLLOUT_LOG_PROBS] = (log_probs.to(device) * response_mask.to(device)).float()
+    return out

@@ -20,6 +20,8 @@ after each rollout, for the update that follows.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -32,13 +34,15 @@ from transformers import (
 )
 
 from rl_core.batch import Batch
-from rl_core.batch_fields import ATTENTION_MASK, INPUT_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, TEMPERATURE
+from rl_core.batch_fields import INPUT_IDS, TEMPERATURE
 from rl_core.rollout.base import (
     SamplingParams,
-    assemble_sequences,
+    TokenSample,
+    assemble_samples,
+    cut_at_stop,
     data_parallel_rank,
+    prompt_contexts,
     register_rollout_engine,
-    response_mask_until_stop,
     sampling_params,
     sampling_seed,
     stop_token_ids,
@@ -87,7 +91,8 @@ class SampledTokenLogProbs(LogitsProcessor):
 
 
 class HFRolloutEngine:
-    """``generate_sequences`` on a transformers causal LM (see the module doc and :mod:`rl_core.rollout.base`)."""
+    """``generate_sequences`` on a transformers causal LM (see the module doc and :mod:`rl_core.rollout.base`), built
+    on the token primitive ``generate_tokens`` that multi-turn rollouts use too."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, rollout_config: Any):
         self.model = model
@@ -98,45 +103,56 @@ class HFRolloutEngine:
         self.stop_token_ids = stop_token_ids(tokenizer, rollout_config)
         self.pad_token_id = tokenizer.pad_token_id
 
-    @torch.no_grad()
-    def generate_sequences(self, prompts: Batch) -> Batch:
-        params = sampling_params(self.config, prompts.meta_info)
-        rank = data_parallel_rank()
+    @contextlib.contextmanager
+    def rollout(self, meta_info: dict[str, Any]) -> Iterator[None]:
+        """Around one rollout's ``generate_tokens`` calls: the model in eval mode, the CUDA cache freed after
+        (``rollout.free_cache_engine``)."""
         was_training = self.model.training
         self.model.eval()
         try:
-            pieces = [
-                self._generate_chunk(chunk, params, sampling_seed(self.config, prompts.meta_info, rank, i))
-                for i, chunk in enumerate(prompts.split(self.chunk_size))
-            ]
+            yield
         finally:
             self.model.train(was_training)
             if self.config.free_cache_engine and torch.cuda.is_available():
                 torch.cuda.empty_cache()
-        responses = torch.cat([p[0] for p in pieces])
-        out = assemble_sequences(
-            prompts, responses, response_mask_until_stop(responses, self.stop_token_ids), self.pad_token_id
-        )
-        if pieces[0][1] is not None:
-            log_probs = torch.cat([p[1] for p in pieces])
-            out.tensors[ROLLOUT_LOG_PROBS] = torch.where(
-                out.tensors[RESPONSE_MASK].bool(), log_probs, torch.zeros_like(log_probs)
-            )
+
+    @torch.no_grad()
+    def generate_sequences(self, prompts: Batch) -> Batch:
+        params = sampling_params(self.config, prompts.meta_info)
+        rank = data_parallel_rank()
+        contexts = prompt_contexts(prompts)
+        width = prompts.tensors[INPUT_IDS].shape[1]
+        samples: list[TokenSample] = []
+        with self.rollout(prompts.meta_info):
+            for chunk, start in enumerate(range(0, len(contexts), self.chunk_size)):
+                part = contexts[start : start + self.chunk_size]
+                seed = sampling_seed(self.config, prompts.meta_info, rank, chunk)
+                samples += self.generate_tokens(part, [self.response_length] * len(part), params, seed, width)
+        out = assemble_samples(prompts, samples, self.response_length, self.pad_token_id)
         out.meta_info[TEMPERATURE] = params.temperature
         return out
 
-    def _generate_chunk(
-        self, chunk: Batch, params: SamplingParams, seed: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        input_ids = chunk.tensors[INPUT_IDS]
-        recorder = SampledTokenLogProbs() if self.config.calculate_log_probs else None
+    @torch.no_grad()
+    def generate_tokens(
+        self, contexts: list[list[int]], max_new_tokens: list[int], params: SamplingParams, seed: int, width: int = 0
+    ) -> list[TokenSample]:
+        """One continuation per context (see :class:`rl_core.rollout.base.TokenEngine`): the contexts are left-padded
+        to one tensor (at least ``width`` wide), sampled together for the largest budget, and each row is cut at its
+        first stop token and its own budget."""
+        width = max(width, max(len(context) for context in contexts))
         device = next(self.model.parameters()).device
+        input_ids = torch.full((len(contexts), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(contexts), width), dtype=torch.long)
+        for row, context in enumerate(contexts):
+            input_ids[row, width - len(context) :] = torch.tensor(context, dtype=torch.long)
+            attention_mask[row, width - len(context) :] = 1
+        recorder = SampledTokenLogProbs() if self.config.calculate_log_probs else None
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(seed)
             sequences = self.model.generate(
-                input_ids=input_ids,
-                attention_mask=chunk.tensors[ATTENTION_MASK],
-                max_new_tokens=self.response_length,
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                max_new_tokens=max(max_new_tokens),
                 min_new_tokens=0,
                 do_sample=params.do_sample,
                 # generate's own temperature / top-k / top-p stay neutral (unset, it would take top_k=50 from its
@@ -151,13 +167,15 @@ class HFRolloutEngine:
                 disable_compile=bool(self.config.enforce_eager),
                 logits_processor=LogitsProcessorList(sampling_processors(params) + ([recorder] if recorder else [])),
             )
-        responses = sequences[:, input_ids.shape[1] :]
-        pad = self.response_length - responses.shape[1]
-        log_probs = None
-        if recorder is not None:
-            log_probs = torch.nn.functional.pad(recorder.log_probs(responses), (0, pad), value=0.0)
-        responses = torch.nn.functional.pad(responses, (0, pad), value=self.pad_token_id)
-        return responses, log_probs
+        generated = sequences[:, width:]
+        log_probs = recorder.log_probs(generated).tolist() if recorder is not None else None
+        samples = []
+        for row, tokens in enumerate(generated.tolist()):
+            sample = cut_at_stop(tokens, self.stop_token_ids, max_new_tokens[row])
+            if log_probs is not None:
+                sample.log_probs = log_probs[row][: len(sample.token_ids)]
+            samples.append(sample)
+        return samples
 
 
 @register_rollout_engine("hf")
