@@ -43,13 +43,14 @@ from flows.tracking import RunTracker, mark_killed, tracking_uri
 from flows.workers import build_workers, kill_worker_group, reattach_workers, run_namespace, step_workers, weights_at
 from infra.cluster import connect, is_persistent
 from infra.worker_group import WorkerDiedError, WorkerGroup, WorkerTimeoutError
+from rl_core.agent.tools.registry import tool_schemas
 from rl_core.algos.kl import get_kl_controller
 from rl_core.batch import Batch
 from rl_core.batch_fields import ATTENTION_MASK
 from rl_core.data.dataset import RLDataset
 from rl_core.data.sampler import ResumableSampler
 from rl_core.models.loading import load_policy_tokenizer
-from rl_core.ppo_step import StepWorkers, resolved_total_steps, run_validation
+from rl_core.ppo_step import StepWorkers, resolved_total_steps, retry_safe_stages, run_validation
 from rl_core.reward.custom import load_custom_reward_function
 from rl_core.reward.manager import RewardManager, build_reward_manager
 from rl_core.step_checkpoint import CheckpointError, FolderLock, StepCheckpoints
@@ -67,10 +68,11 @@ class TrainingInputs:
     @classmethod
     def load(cls, config: DictConfig) -> TrainingInputs:
         tokenizer = load_policy_tokenizer(config.actor_rollout_ref.model)
+        tools = tool_schemas(config.actor_rollout_ref.rollout.multi_turn)
         return cls(
             tokenizer,
-            RLDataset(config.data.train_files, tokenizer, config.data, config.data.train_max_samples),
-            RLDataset(config.data.val_files, tokenizer, config.data, config.data.val_max_samples),
+            RLDataset(config.data.train_files, tokenizer, config.data, config.data.train_max_samples, tools),
+            RLDataset(config.data.val_files, tokenizer, config.data, config.data.val_max_samples, tools),
             build_reward_manager(config, tokenizer, load_custom_reward_function(**config.custom_reward_function)),
         )
 
@@ -123,7 +125,7 @@ class TrainingSession:
         self.checkpoints = StepCheckpoints(config.trainer.default_local_dir, config.trainer.max_ckpt_to_keep)
         self.view = PrefectRunView(config.trainer.prefect_history_steps)
         self.timeout = config.trainer.worker_timeout_s
-        self.run_stage = prefect_stage_runner(config.trainer.stage_retries)
+        self.run_stage = prefect_stage_runner(config.trainer.stage_retries, retry_safe_stages(config))
         self.group: WorkerGroup | None = None
         self.workers: StepWorkers | None = None
         self.tracker: RunTracker | None = None

@@ -37,10 +37,10 @@ def _retry_condition(task: Any, task_run: Any, state: Any) -> bool:
     return False
 
 
-def stage_task(name: str, fn: Callable, retries: int) -> Task:
-    """The Prefect task ``name`` running ``fn``; an idempotent stage is retried ``retries`` times."""
+def stage_task(name: str, fn: Callable, retries: int, retry_safe: tuple[str, ...] = ppo_step.IDEMPOTENT_STAGES) -> Task:
+    """The Prefect task ``name`` running ``fn``; a stage of ``retry_safe`` is retried ``retries`` times."""
     options: dict[str, Any] = {"name": name, "cache_policy": NO_CACHE, "persist_result": False}
-    if name in ppo_step.IDEMPOTENT_STAGES and retries > 0:
+    if name in retry_safe and retries > 0:
         options.update(retries=retries, retry_delay_seconds=1, retry_condition_fn=_retry_condition)
     return task(fn, **options)
 
@@ -48,14 +48,14 @@ def stage_task(name: str, fn: Callable, retries: int) -> Task:
 TASK_RUNS = {"started": 0}  # the stage task runs this process started (its Prefect server records as many)
 
 
-def prefect_stage_runner(retries: int) -> Callable[..., Any]:
+def prefect_stage_runner(retries: int, retry_safe: tuple[str, ...] = ppo_step.IDEMPOTENT_STAGES) -> Callable[..., Any]:
     """``run_stage(name, fn, *args)`` that runs the stage function ``fn`` as the Prefect task ``name`` (one task object
-    per stage function, made on first use)."""
+    per stage function, made on first use); the stages of ``retry_safe`` are retried ``retries`` times."""
     tasks: dict[tuple[str, Callable], Task] = {}
 
     def run_stage(name: str, fn: Callable, *args: Any) -> Any:
         if (name, fn) not in tasks:
-            tasks[(name, fn)] = stage_task(name, fn, retries)
+            tasks[(name, fn)] = stage_task(name, fn, retries, retry_safe)
         TASK_RUNS["started"] += 1
         return tasks[(name, fn)](*args)
 

@@ -15,7 +15,9 @@ POSITION_IDS = "position_ids"  # same shape: 0.. from the first real token
 # generation (rl_core.rollout.base)
 PROMPTS = "prompts"  # (B, P) the left-padded prompt part of each sequence
 RESPONSES = "responses"  # (B, R) sampled tokens, pad after the first stop token
-RESPONSE_MASK = "response_mask"  # (B, R) 1 on the tokens the policy produced (up to and including the stop token)
+# (B, R) 1 on the tokens the policy produced (up to and including the stop token); a multi-turn response has holes:
+# tool answers and template glue are real tokens (attention 1) the policy did not sample (mask 0)
+RESPONSE_MASK = "response_mask"
 ROLLOUT_LOG_PROBS = "rollout_log_probs"  # (B, R) the sampler's own log-probs (rollout.calculate_log_probs)
 # reward
 RM_SCORES = "rm_scores"  # (B, R) a reward model's score on the last response token
@@ -40,6 +42,9 @@ DATA_SOURCE = "data_source"  # picks the rule scorer (data.reward_fn_key names t
 REWARD_MODEL = "reward_model"  # {"ground_truth": ...}
 EXTRA_INFO = "extra_info"  # the dataset row's extra_info dict
 RAW_PROMPT = "raw_prompt"  # the prompt's messages (the reward model re-templates them)
+# multi-turn rollouts (rl_core.agent.runner)
+NUM_TURNS = "num_turns"  # verl's count: the prompt + assistant turns + tool answers (2 for a single turn)
+MULTI_TURN = "multi_turn"  # {"messages", "tool_calls", "finish_reason", "final_answer"} of the trajectory
 
 # ---------------------------------------------------------------------------------------------- meta info
 TEMPERATURE = "temperature"  # the sampling temperature (log-probs are of the distribution sampled)

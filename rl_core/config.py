@@ -29,11 +29,14 @@ if TYPE_CHECKING:
 # ---------------------------------------------------------------------------------------------- data
 @dataclass
 class SyntheticDataConfig:
-    """The demo task (``data.train_files=null``): ``a+b=`` prompts with operands up to ``max_operand``."""
+    """The demo task (``data.train_files=null``, :mod:`rl_core.data.synthetic`): ``addition`` (``a+b=`` prompts with
+    operands up to ``max_operand``) or ``calc`` (``a*b=`` with 2-digit operands, answered with the calculator tool: a
+    multi-turn rollout; its profile is ``configs/profile/demo_calc.yaml``)."""
 
+    task: str = "addition"
     train_size: int = 2000
     val_size: int = 200
-    max_operand: int = 9
+    max_operand: int = 9  # addition only
 
 
 @dataclass
@@ -156,6 +159,25 @@ class ValKwargsConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """Multi-turn rollouts that call tools (:mod:`rl_core.agent.runner`); verl's names, and ppoflow's own last five.
+    ``rollout.response_length`` bounds the whole response: the policy's turns, the tool answers and the glue."""
+
+    enable: bool = False
+    max_assistant_turns: int | None = None  # null: until a turn calls no tool or the response is full
+    max_user_turns: int | None = None  # rounds of tool answers; null: no limit
+    max_parallel_calls: int = 1  # calls per turn; the further ones are answered with an error
+    max_tool_response_length: int = 256  # characters of one tool answer
+    tool_response_truncate_side: str = "middle"  # left: keep the tail | middle: both ends | right: keep the head
+    tool_config_path: str | None = None  # verl's tool YAML (rl_core.agent.tools.registry); null: no tools
+    format: str = "hermes"  # hermes: <tool_call>{"name", "arguments"}</tool_call> | tag: <call>TEXT</call> (one tool)
+    tool_timeout_s: float = 10.0  # one call's wall-clock limit; it is then cancelled and answered with an error
+    max_concurrent_tools: int = 4  # calls in flight at once, per rollout worker
+    max_tool_response_tokens: int = 64  # tokens of one tool answer (after the character cut)
+    on_parse_error: str = "feedback"  # feedback: the error is the call's answer | stop: the trajectory ends
+
+
+@dataclass
 class RolloutConfig:
     name: str = "hf"  # hf (CPU or GPU) | vllm (GPU: `pip install 'ppoflow[gpu]'`; CPU: vLLM's CPU build, README)
     n: int = 1  # responses per prompt (GRPO, RLOO, ... need several)
@@ -184,6 +206,7 @@ class RolloutConfig:
     max_model_len: int | None = None  # vllm: null = data.max_prompt_length + data.max_response_length
     seed: int = 42  # sampling is seeded by (seed, step, rank, chunk): a re-run step draws the same samples
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
 @dataclass
@@ -374,6 +397,7 @@ def default_config() -> DictConfig:
 # ---------------------------------------------------------------------------------------------- value checks
 CHOICES = {
     "data.truncation": ("error", "left", "right"),
+    "data.synthetic.task": ("addition", "calc"),
     "actor_rollout_ref.model.dtype": ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16"),
     "actor_rollout_ref.actor.strategy": ("fsdp", "fsdp2"),
     "actor_rollout_ref.actor.optim.lr_scheduler_type": ("constant", "cosine"),
@@ -386,8 +410,16 @@ CHOICES = {
     "actor_rollout_ref.actor.fsdp_config.dtype": tuple(COMPUTE_DTYPES),
     "critic.fsdp.dtype": tuple(COMPUTE_DTYPES),
     "trainer.resume_mode": ("auto", "disable", "resume_path"),
+    "actor_rollout_ref.rollout.multi_turn.format": ("hermes", "tag"),
+    "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side": ("left", "middle", "right"),
+    "actor_rollout_ref.rollout.multi_turn.on_parse_error": ("feedback", "stop"),
 }
 POSITIVE = (
+    "actor_rollout_ref.rollout.multi_turn.max_parallel_calls",
+    "actor_rollout_ref.rollout.multi_turn.max_tool_response_length",
+    "actor_rollout_ref.rollout.multi_turn.tool_timeout_s",
+    "actor_rollout_ref.rollout.multi_turn.max_concurrent_tools",
+    "actor_rollout_ref.rollout.multi_turn.max_tool_response_tokens",
     "data.max_prompt_length",
     "data.max_response_length",
     "data.train_batch_size",
@@ -501,3 +533,39 @@ def check_config(config: Any) -> None:
             "actor_rollout_ref.hybrid_engine=false: only the hybrid engine (rollout in the actor's worker, sharing its "
             "weights) is built; set it to true"
         )
+    check_multi_turn(config.actor_rollout_ref.rollout)
+
+
+def check_multi_turn(rollout: Any) -> None:
+    """Refuse a multi-turn setting that cannot run: an engine without the token primitive, a turn limit below 1, a
+    tool YAML that does not load, ``format=tag`` without exactly one tool of one required argument."""
+    from rl_core.agent.parsers import tag_argument
+    from rl_core.agent.tools.registry import ToolConfigError, configured_tools
+
+    settings = rollout.multi_turn
+    key = "actor_rollout_ref.rollout.multi_turn"
+    if not settings.enable:
+        return
+    if rollout.name != "hf":
+        raise ConfigValueError(
+            f"{key}.enable=true with rollout.name={rollout.name!r}: multi-turn rollouts run on the hf engine only (the "
+            "vllm engine has no token-in/token-out primitive yet); set actor_rollout_ref.rollout.name=hf"
+        )
+    for limit in ("max_assistant_turns", "max_user_turns"):
+        value = settings[limit]
+        if value is not None and value < 1:
+            raise ConfigValueError(f"{key}.{limit}={value}: at least 1, or null for no limit")
+    try:
+        tools = configured_tools(settings)
+    except ToolConfigError as error:
+        raise ConfigValueError(f"{key}.tool_config_path: {error}") from None
+    if settings.format == "tag":
+        if len(tools) != 1:
+            raise ConfigValueError(
+                f"{key}.format=tag: a <call>TEXT</call> names no tool, so the run needs exactly one tool "
+                f"({len(tools)} in {key}.tool_config_path); use format=hermes for several"
+            )
+        try:
+            tag_argument(next(iter(tools.values())).tool_schema)
+        except ValueError as error:
+            raise ConfigValueError(f"{key}.format=tag: {error}") from None

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from rl_core.agent.tools.registry import tool_schemas
 from rl_core.data.dataset import DatasetError, RLDataset, peek_rows, validate_row
 from rl_core.models.folder import ModelLoadError, check_model_folder
 from rl_core.ppo_step import use_critic
@@ -159,10 +160,11 @@ def prompt_problems(config: Any) -> list[str]:
     from rl_core.models.loading import load_policy_tokenizer
 
     tokenizer = load_policy_tokenizer(config.actor_rollout_ref.model)
+    tools = tool_schemas(config.actor_rollout_ref.rollout.multi_turn)
     problems = []
     for key in ("data.train_files", "data.val_files"):
         try:
-            RLDataset(config.data[key.split(".")[1]], tokenizer, config.data)
+            RLDataset(config.data[key.split(".")[1]], tokenizer, config.data, tools=tools)
         except DatasetError as error:
             problems.append(f"{key}: {error}")
     return problems

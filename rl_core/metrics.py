@@ -6,10 +6,14 @@ import math
 
 import torch
 
+from rl_core.agent.executor import ERROR_KINDS, REFUSED_KINDS
+from rl_core.agent.runner import FINISH_REASONS
 from rl_core.batch import Batch
 from rl_core.batch_fields import (
     ADVANTAGES,
     ATTENTION_MASK,
+    MULTI_TURN,
+    NUM_TURNS,
     RESPONSE_MASK,
     RETURNS,
     TOKEN_LEVEL_REWARDS,
@@ -40,10 +44,40 @@ def compute_data_metrics(batch: Batch) -> dict[str, float]:
     for key, name in ((ADVANTAGES, "critic/advantages"), (RETURNS, "critic/returns"), (VALUES, "critic/values")):
         if key in batch:
             metrics |= _stats(name, batch.tensors[key][mask])
-    lengths = batch.tensors[RESPONSE_MASK].sum(-1).float()
+    # verl's lengths count every real token of the response (a multi-turn response's tool answers too); the policy's
+    # own tokens are response_length/model_tokens
+    width = batch.tensors[RESPONSE_MASK].shape[-1]
+    attention = batch.tensors[ATTENTION_MASK]
+    lengths = attention[:, -width:].sum(-1).float()
     metrics |= _stats("response_length", lengths)
-    metrics["response_length/clip_ratio"] = (lengths >= batch.tensors[RESPONSE_MASK].shape[-1]).float().mean().item()
-    metrics |= _stats("prompt_length", batch.tensors[ATTENTION_MASK].sum(-1) - lengths)
+    metrics["response_length/clip_ratio"] = (lengths >= width).float().mean().item()
+    metrics["response_length/model_tokens/mean"] = batch.tensors[RESPONSE_MASK].sum(-1).float().mean().item()
+    metrics |= _stats("prompt_length", attention[:, :-width].sum(-1))
+    if NUM_TURNS in batch.non_tensors:
+        metrics |= multi_turn_metrics(list(batch.non_tensors[NUM_TURNS]), list(batch.non_tensors[MULTI_TURN]))
+    return metrics
+
+
+def multi_turn_metrics(num_turns: list[int], trajectories: list[dict]) -> dict[str, float]:
+    """verl's ``num_turns/{mean,max,min}`` and the tools' figures of multi-turn rollouts (rl_core.agent.runner):
+    ``tool/call_rate`` (share of samples that called a tool), ``tool/calls_per_sample``, ``tool/success_rate``,
+    ``tool/errors/<kind>`` (calls per sample answered with that error), ``tool/latency_s/{mean,max}``,
+    ``tool/response_truncated_ratio`` and ``multi_turn/finish/<reason>`` (share of samples)."""
+    metrics = _stats("num_turns", torch.tensor(num_turns, dtype=torch.float32))
+    calls = [call for trajectory in trajectories for call in trajectory["tool_calls"]]
+    samples = len(trajectories)
+    metrics["tool/call_rate"] = sum(bool(t["tool_calls"]) for t in trajectories) / samples
+    metrics["tool/calls_per_sample"] = len(calls) / samples
+    for kind in ERROR_KINDS:
+        metrics[f"tool/errors/{kind}"] = sum(call["error"] == kind for call in calls) / samples
+    for reason in FINISH_REASONS:
+        metrics[f"multi_turn/finish/{reason}"] = sum(t["finish_reason"] == reason for t in trajectories) / samples
+    if calls:
+        metrics["tool/success_rate"] = sum(call["error"] is None for call in calls) / len(calls)
+        metrics["tool/response_truncated_ratio"] = sum(call["truncated"] for call in calls) / len(calls)
+        ran = [call["latency_s"] for call in calls if call["error"] not in REFUSED_KINDS]
+        if ran:
+            metrics["tool/latency_s/mean"], metrics["tool/latency_s/max"] = sum(ran) / len(ran), max(ran)
     return metrics
 
 

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rl_core.agent.tools.registry import configured_tools
 from rl_core.algos.advantage import call_adv_estimator
 from rl_core.algos.kl import apply_kl_penalty
 from rl_core.algos.masked import masked_mean
@@ -32,6 +33,8 @@ from rl_core.batch_fields import (
     ENTROPYS,
     GLOBAL_STEP,
     GREEDY,
+    MULTI_TURN,
+    NUM_TURNS,
     OLD_LOG_PROBS,
     REF_LOG_PROB,
     RESPONSE_MASK,
@@ -49,7 +52,7 @@ from rl_core.batch_fields import (
 )
 from rl_core.data.dataset import RLDataset
 from rl_core.data.sampler import ResumableSampler
-from rl_core.metrics import compute_data_metrics, rollout_probs_diff_metrics, validation_metrics
+from rl_core.metrics import compute_data_metrics, multi_turn_metrics, rollout_probs_diff_metrics, validation_metrics
 from rl_core.reward.manager import RewardManager
 
 Metrics = dict[str, float]
@@ -66,6 +69,15 @@ TIMING_NAMES = {
 }
 # stages that give the same result when run again (seeded sampling; pure functions of the weights): retry-safe
 IDEMPOTENT_STAGES = ("generate", "old_log_prob", "ref_log_prob", "values")
+
+
+def retry_safe_stages(config: Any) -> tuple[str, ...]:
+    """The stages a transient failure may re-run: ``IDEMPOTENT_STAGES``, less ``generate`` when a tool of a multi-turn
+    rollout is not idempotent (a second rollout would call it again, with another effect)."""
+    tools = configured_tools(config.actor_rollout_ref.rollout.multi_turn)
+    if all(tool.idempotent for tool in tools.values()):
+        return IDEMPOTENT_STAGES
+    return tuple(name for name in IDEMPOTENT_STAGES if name != "generate")
 
 
 @dataclass
@@ -313,9 +325,13 @@ def run_validation(
         scored.append(batch.union(batch_scores))
     batch = Batch.concat(scored)
     scores = batch.tensors[TOKEN_LEVEL_SCORES].sum(-1).tolist()
-    return validation_metrics(
+    metrics = validation_metrics(
         list(batch.non_tensors[config.data.reward_fn_key]), list(batch.non_tensors[UID]), scores, n
     )
+    if NUM_TURNS in batch.non_tensors:  # multi-turn: how the policy used its tools (verl's val-aux/num_turns/mean)
+        turns = multi_turn_metrics(list(batch.non_tensors[NUM_TURNS]), list(batch.non_tensors[MULTI_TURN]))
+        metrics |= {f"val-aux/{key}": turns[key] for key in ("num_turns/mean", "tool/call_rate")}
+    return metrics
 
 
 # ---------------------------------------------------------------------------------------------- batch shaping

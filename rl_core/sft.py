@@ -1,11 +1,13 @@
-"""Supervised fine-tuning on (prompt, response) pairs with the loss on response tokens only.
+"""Supervised fine-tuning on (prompt, response) pairs with the loss on the model's own tokens only.
 
 Used to warm-start the tiny demo policy so that it sometimes succeeds before RL (RL needs a non-zero reward
 signal), and usable on any causal LM: ``run_sft(model, tokenizer, examples, ...)``.
 
 loss = mean over response tokens of -log p(token | prompt, previous response tokens); the prompt is rendered
 with the chat template and generation prompt exactly as the RL dataset renders it, and the response ends with
-the tokenizer's EOS so that the model learns to stop.
+the tokenizer's EOS so that the model learns to stop. A multi-turn response (assistant and tool messages) is encoded
+exactly as a multi-turn rollout builds it (:mod:`rl_core.agent.observations`): each assistant message + EOS is
+trained, the tool answers and the template's glue are not.
 """
 
 from __future__ import annotations
@@ -15,17 +17,39 @@ from dataclasses import dataclass
 
 import torch
 
+from rl_core.agent.observations import ObservationEncoder
 from rl_core.models.logprob import token_log_probs
 
 
 @dataclass
 class SFTExample:
     prompt: str | list[dict]  # chat messages or raw text
-    response: str
+    response: str | list[dict]  # the answer, or the messages after the prompt (assistant / tool)
+
+
+def encode_turns(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """(ids, loss mask) of the messages that follow a prompt: each assistant message's ids + EOS (mask 1, or 0 when the
+    message has OpenAI's ``"weight": 0``: context, not a target), each run of tool messages as the template's delta
+    (mask 0)."""
+    encoder = ObservationEncoder(tokenizer, [tokenizer.eos_token_id], 10**9, 10**9, "middle")
+    ids: list[int] = []
+    mask: list[int] = []
+    answers: list[str] = []
+    for message in messages:
+        if message["role"] == "tool":
+            answers.append(message["content"])
+            continue
+        if answers:
+            delta = encoder.encode(answers)
+            ids, mask, answers = ids + delta, mask + [0] * len(delta), []
+        turn = tokenizer(message["content"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        ids, mask = ids + turn, mask + [int(message.get("weight", 1))] * len(turn)
+    return ids, mask
 
 
 def encode_example(tokenizer, example: SFTExample) -> tuple[list[int], list[int]]:
-    """(input ids, loss mask) of prompt + response + EOS; the mask is 1 on response tokens and EOS."""
+    """(input ids, loss mask) of prompt + response + EOS; the mask is 1 on response tokens and EOS (on the assistant
+    messages' tokens and EOS of a multi-turn response)."""
     if isinstance(example.prompt, str) or tokenizer.chat_template is None:
         prompt_text = (
             example.prompt if isinstance(example.prompt, str) else "\n".join(m["content"] for m in example.prompt)
@@ -33,6 +57,9 @@ def encode_example(tokenizer, example: SFTExample) -> tuple[list[int], list[int]
     else:
         prompt_text = tokenizer.apply_chat_template(list(example.prompt), add_generation_prompt=True, tokenize=False)
     prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+    if isinstance(example.response, list):
+        response_ids, response_mask = encode_turns(tokenizer, example.response)
+        return prompt_ids + response_ids, [0] * len(prompt_ids) + response_mask
     response_ids = tokenizer(example.response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     return prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids)
 

@@ -131,8 +131,18 @@ def validate_row(row: dict, where: str, prompt_key: str = "prompt") -> None:
 class RLDataset:
     """Prompt rows of one or more files, tokenized once; ``collate(indices)`` makes a prompt :class:`Batch`."""
 
-    def __init__(self, files: str | list[str], tokenizer: Any, data_config: Any, max_samples: int = -1):
+    def __init__(
+        self,
+        files: str | list[str],
+        tokenizer: Any,
+        data_config: Any,
+        max_samples: int = -1,
+        tools: list[dict] | None = None,
+    ):
+        """``tools``: the OpenAI function schemas of a multi-turn run's tools, which the chat template shows the policy
+        (and which count towards ``max_prompt_length``)."""
         self.tokenizer = tokenizer
+        self.tools = tools or None
         self.prompt_key = data_config.prompt_key
         self.max_prompt_length = int(data_config.max_prompt_length)
         self.truncation = data_config.truncation
@@ -175,7 +185,9 @@ class RLDataset:
         if isinstance(prompt, str) or not self.use_chat_template:
             text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
         else:
-            text = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(
+                list(prompt), tools=self.tools, add_generation_prompt=True, tokenize=False
+            )
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def collate(self, indices: list[int], uid_prefix: str = "") -> Batch:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from rl_core.batch import Batch, response_ends
-from rl_core.batch_fields import EXTRA_INFO, RESPONSE_MASK, RESPONSES, REWARD_MODEL
+from rl_core.batch_fields import EXTRA_INFO, MULTI_TURN, NUM_TURNS, RESPONSE_MASK, RESPONSES, REWARD_MODEL
 from rl_core.config import DataConfig, RewardConfig
 from rl_core.reward.scorers import default_compute_score
 
@@ -120,6 +120,9 @@ class RewardManager:
                 rm.get("ground_truth") if isinstance(rm, dict) else None for rm in batch.non_tensors[REWARD_MODEL]
             ]
             extras = list(batch.non_tensors[EXTRA_INFO]) if EXTRA_INFO in batch.non_tensors else [{}] * len(batch)
+            if NUM_TURNS in batch.non_tensors:  # a multi-turn trajectory: its turns, calls and final answer too
+                turns, trajectories = batch.non_tensors[NUM_TURNS], batch.non_tensors[MULTI_TURN]
+                extras = [{**e, **t, NUM_TURNS: n} for e, t, n in zip(extras, trajectories, turns)]
             scores, extra_info, failures = self._score_in_time(sources, solutions, truths, extras)
             scores_t = torch.tensor(scores, dtype=torch.float32)
         metrics = {"reward/score_failures": float(failures)}

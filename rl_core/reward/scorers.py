@@ -7,6 +7,7 @@
                                                   the MATH rules on the last boxed answer: 1.0 or 0.0
   math_dapo, math, math_dapo_reasoning, aime*     Minerva's rules: ``{"score": 1.0 | -1.0, "acc", "pred"}``
   ppoflow/addition                                the demo task: the first integer of the response
+  ppoflow/calc                                    the tool demo: the last assistant message is the product
 With ``lenient=True`` (``reward.lenient_answers``) gsm8k also accepts a trailing period after the number and a
 ground truth written with commas, and the MATH sources are judged by math-verify when it is installed.
 """
@@ -53,6 +54,13 @@ def addition_score(solution_str: str, ground_truth: str) -> float:
     return 1.0 if match is not None and match.group(0) == str(ground_truth) else 0.0
 
 
+def calc_score(solution_str: str, ground_truth: str, extra_info: dict | None) -> float:
+    """1.0 if the final answer (a multi-turn trajectory's last assistant message, else the response) is the ground
+    truth."""
+    answer = (extra_info or {}).get("final_answer", solution_str)
+    return 1.0 if str(answer).strip() == str(ground_truth) else 0.0
+
+
 def default_compute_score(
     data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None, lenient: bool = False
 ) -> float | dict:
@@ -69,7 +77,10 @@ def default_compute_score(
         return dapo_math_score(solution_str, ground_truth)
     if data_source == synthetic.DATA_SOURCE:
         return addition_score(solution_str, ground_truth)
+    if data_source == synthetic.CALC_DATA_SOURCE:
+        return calc_score(solution_str, ground_truth, extra_info)
     known = [gsm8k.DATA_SOURCE, *HENDRYCKS_MATH_SOURCES, *DAPO_MATH_SOURCES, "aime*", synthetic.DATA_SOURCE]
+    known.append(synthetic.CALC_DATA_SOURCE)
     raise ValueError(
         f"no rule scorer for data_source={data_source!r} (built in: {known}); set custom_reward_function.path to a "
         "file defining compute_score(data_source, solution_str, ground_truth, extra_info)"

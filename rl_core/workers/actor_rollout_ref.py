@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from rl_core.agent.runner import MultiTurnRollout
+from rl_core.agent.tools.registry import configured_tools
 from rl_core.algos.aggregate import agg_loss
 from rl_core.algos.config_access import config_get
 from rl_core.algos.kl import kl_penalty
@@ -172,6 +174,10 @@ class ActorRolloutRefWorker:
                     model_config=self.model_config,
                     compute_dtype=self.compute_dtype,
                 )
+                multi_turn = self.rollout_config.multi_turn
+                if multi_turn.enable:
+                    tools = configured_tools(multi_turn)
+                    self.rollout = MultiTurnRollout(self.rollout, self.tokenizer, self.rollout_config, tools)
         return notes
 
     # ------------------------------------------------------------------ stages

@@ -70,3 +70,16 @@ def load_tools(path: str | Path) -> dict[str, BaseTool]:
         except Exception as error:
             raise ToolConfigError(f"{where}: {error}") from None
     return tools
+
+
+def configured_tools(multi_turn: Any) -> dict[str, BaseTool]:
+    """The tools of a run (``actor_rollout_ref.rollout.multi_turn``): those of its tool YAML when multi-turn rollouts
+    are on, else none."""
+    if not multi_turn.enable or not multi_turn.tool_config_path:
+        return {}
+    return load_tools(multi_turn.tool_config_path)
+
+
+def tool_schemas(multi_turn: Any) -> list[dict[str, Any]]:
+    """The OpenAI function schemas of a run's tools (what the chat template shows the policy); none when off."""
+    return [tool.tool_schema for tool in configured_tools(multi_turn).values()]

@@ -1,0 +1,205 @@
+"""Multi-turn rollouts that call tools, as a rollout engine: ``ppo_step``, the flows and dispatch do not change.
+
+:class:`MultiTurnRollout` wraps an engine with the token primitive (:class:`rl_core.rollout.base.TokenEngine`) and
+runs every prompt row as a trajectory of rounds::
+
+    round r:  the trajectories still running, in row order, are continued in chunks of generation_batch_size
+              (seed: sampling_seed(..., part=r * ROUND_STRIDE + chunk)); each chunk's tool calls are read from its
+              turns and started at once, so they run while the next chunk generates
+              then every call's answer is awaited and appended as the template's tokens (mask 0)
+
+Token in, token out: the policy's ids are appended as sampled (never decoded and re-encoded), tool answers as the
+fixed-base delta of the chat template (:mod:`rl_core.agent.observations`). ``response_mask`` is 1 exactly on the
+policy's tokens (each turn's stop token included), 0 on tool answers, template glue and padding; attention covers
+every real token; ``response_length`` bounds the whole response (an answer that does not fit is dropped and the
+trajectory ends on its last policy token). Round membership depends only on the previous round's outcome, never on
+the tools' timing, so a step re-run draws the same trajectories (``generate`` stays retry-safe when every tool is
+idempotent). Round 0 is exactly the single-turn rollout: with no tools configured the batch is bit-identical to it.
+
+A trajectory ends with ``stop`` (a turn without calls), ``length`` (the response is full), ``max_turns``
+(``max_assistant_turns`` / ``max_user_turns`` reached) or ``parse_error`` (``on_parse_error=stop``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rl_core.agent.executor import CallResult, ToolExecutor, refused
+from rl_core.agent.observations import ObservationEncoder
+from rl_core.agent.parsers import ToolCall, parse_calls
+from rl_core.agent.tools.base import BaseTool
+from rl_core.batch import Batch
+from rl_core.batch_fields import INPUT_IDS, MULTI_TURN, NUM_TURNS, TEMPERATURE
+from rl_core.rollout.base import (
+    TokenEngine,
+    TokenSample,
+    assemble_samples,
+    data_parallel_rank,
+    prompt_contexts,
+    sampling_params,
+    sampling_seed,
+    stop_token_ids,
+)
+
+ROUND_STRIDE = 10_000  # seed parts of round r: r * ROUND_STRIDE + chunk (round 0: the single-turn seeds)
+FINISH_REASONS = ("stop", "length", "max_turns", "parse_error")
+
+
+@dataclass
+class Trajectory:
+    """One prompt row's conversation as tokens: ``ids`` (the response so far), ``mask`` (1 on policy tokens),
+    ``log_probs`` (the sampler's, 0 on other tokens)."""
+
+    prompt: list[int]
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    assistant_turns: int = 0
+    tool_rounds: int = 0
+    messages: list[dict[str, str]] = field(default_factory=list)
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    pending: list[tuple[ToolCall, concurrent.futures.Future]] = field(default_factory=list)
+    finish: str | None = None
+
+    def append(self, ids: list[int], from_policy: bool, log_probs: list[float] | None = None) -> None:
+        self.ids += ids
+        self.mask += [int(from_policy)] * len(ids)
+        self.log_probs += log_probs if log_probs is not None else [0.0] * len(ids)
+
+    def summary(self) -> dict[str, Any]:
+        """What the reward function (``extra_info``) and the samples table get."""
+        answers = [m["content"] for m in self.messages if m["role"] == "assistant"]
+        return {
+            "messages": self.messages,
+            "tool_calls": self.calls,
+            "finish_reason": self.finish,
+            "final_answer": answers[-1] if answers else "",
+        }
+
+
+class MultiTurnRollout:
+    """``generate_sequences`` with tool calls (see the module doc) over ``engine``'s ``generate_tokens``."""
+
+    def __init__(self, engine: TokenEngine, tokenizer: Any, rollout_config: Any, tools: dict[str, BaseTool]):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.config = rollout_config
+        self.settings = rollout_config.multi_turn
+        self.response_length = int(rollout_config.response_length)
+        self.chunk_size = int(rollout_config.generation_batch_size)
+        self.pad_token_id = tokenizer.pad_token_id
+        self.tools = tools
+        self.schemas = [tool.tool_schema for tool in tools.values()]
+        self.executor = (
+            ToolExecutor(tools, self.settings.tool_timeout_s, self.settings.max_concurrent_tools) if tools else None
+        )
+        self.observations = (
+            ObservationEncoder(
+                tokenizer,
+                stop_token_ids(tokenizer, rollout_config),
+                self.settings.max_tool_response_length,
+                self.settings.max_tool_response_tokens,
+                self.settings.tool_response_truncate_side,
+            )
+            if tools
+            else None
+        )
+
+    @torch.no_grad()
+    def generate_sequences(self, prompts: Batch) -> Batch:
+        params = sampling_params(self.config, prompts.meta_info)
+        rank = data_parallel_rank()
+        width = prompts.tensors[INPUT_IDS].shape[1]
+        trajectories = [Trajectory(context) for context in prompt_contexts(prompts)]
+        with self.engine.rollout(prompts.meta_info):
+            round_index = 0
+            while active := [t for t in trajectories if t.finish is None]:
+                for chunk, start in enumerate(range(0, len(active), self.chunk_size)):
+                    part = active[start : start + self.chunk_size]
+                    seed = sampling_seed(self.config, prompts.meta_info, rank, round_index * ROUND_STRIDE + chunk)
+                    budgets = [self.response_length - len(t.ids) for t in part]
+                    samples = self.engine.generate_tokens(
+                        [t.prompt + t.ids for t in part], budgets, params, seed, width
+                    )
+                    for trajectory, sample in zip(part, samples):
+                        self._take_turn(trajectory, sample)
+                for trajectory in active:
+                    if trajectory.finish is None:
+                        self._append_answers(trajectory)
+                round_index += 1
+        samples = [
+            TokenSample(t.ids, t.log_probs if self.config.calculate_log_probs else None, t.finish) for t in trajectories
+        ]
+        out = assemble_samples(
+            prompts, samples, self.response_length, self.pad_token_id, [t.mask for t in trajectories]
+        )
+        turns = Batch(
+            non_tensors={
+                NUM_TURNS: [1 + t.assistant_turns + t.tool_rounds for t in trajectories],
+                MULTI_TURN: [t.summary() for t in trajectories],
+            }
+        )
+        out.union(turns).meta_info[TEMPERATURE] = params.temperature
+        return out
+
+    # ------------------------------------------------------------------ one turn
+    def _take_turn(self, trajectory: Trajectory, sample: TokenSample) -> None:
+        """Append the policy's turn; read its calls and start them, or end the trajectory."""
+        trajectory.append(sample.token_ids, from_policy=True, log_probs=sample.log_probs)
+        trajectory.assistant_turns += 1
+        text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+        trajectory.messages.append({"role": "assistant", "content": text})
+        if sample.finish_reason == "length" or len(trajectory.ids) >= self.response_length:
+            trajectory.finish = "length"
+            return
+        calls = parse_calls(self.tokenizer.decode(sample.token_ids), self.settings.format, self.schemas)
+        if not self.tools or not calls:
+            trajectory.finish = "stop"
+            return
+        if self.settings.on_parse_error == "stop" and any(call.error is not None for call in calls):
+            trajectory.finish = "parse_error"
+            return
+        settings = self.settings
+        turns_left = settings.max_assistant_turns is None or trajectory.assistant_turns < settings.max_assistant_turns
+        rounds_left = settings.max_user_turns is None or trajectory.tool_rounds < settings.max_user_turns
+        if not (turns_left and rounds_left):
+            trajectory.finish = "max_turns"
+            return
+        allowed = int(settings.max_parallel_calls)
+        trajectory.pending = [(call, self.executor.submit(call)) for call in calls[:allowed]]
+        trajectory.pending += [
+            (call, refused(f"at most {allowed} calls per turn", "limit")) for call in calls[allowed:]
+        ]
+
+    def _append_answers(self, trajectory: Trajectory) -> None:
+        """Append the answers of the trajectory's calls (one delta), or end it when they do not fit."""
+        answers = []
+        for call, future in trajectory.pending:
+            try:
+                result = future.result(timeout=float(self.settings.tool_timeout_s) + 30)
+            except concurrent.futures.TimeoutError:  # the tools' loop itself is stuck (a tool blocking in async code)
+                result = CallResult(f"error: {call.name} did not answer", "timeout", float("nan"))
+            text, truncated = self.observations.cap(result.text)
+            answers.append(text)
+            trajectory.calls.append(
+                {
+                    "name": call.name,
+                    "arguments": call.arguments,
+                    "error": result.error,
+                    "latency_s": result.latency_s,
+                    "truncated": truncated,
+                    "answer": text,
+                }
+            )
+            trajectory.messages.append({"role": "tool", "content": text})
+        trajectory.pending = []
+        delta = self.observations.encode(answers)
+        if len(trajectory.ids) + len(delta) >= self.response_length:  # no room for the answer and a next turn
+            trajectory.finish = "length"
+            return
+        trajectory.append(delta, from_policy=False)
+        trajectory.tool_rounds += 1
