@@ -62,12 +62,15 @@ def multi_turn_metrics(num_turns: list[int], trajectories: list[dict]) -> dict[s
     """verl's ``num_turns/{mean,max,min}`` and the tools' figures of multi-turn rollouts (rl_core.agent.runner):
     ``tool/call_rate`` (share of samples that called a tool), ``tool/calls_per_sample``, ``tool/success_rate``,
     ``tool/errors/<kind>`` (calls per sample answered with that error), ``tool/latency_s/{mean,max}``,
-    ``tool/response_truncated_ratio`` and ``multi_turn/finish/<reason>`` (share of samples)."""
+    ``tool/response_truncated_ratio``, ``multi_turn/finish/<reason>`` (share of samples) and ``timing_s/tools``: the
+    seconds generation waited for tool answers that had not arrived when its chunks were done (the time the tools
+    were not overlapped), summed over the batch's trajectories (so over ranks too)."""
     metrics = _stats("num_turns", torch.tensor(num_turns, dtype=torch.float32))
     calls = [call for trajectory in trajectories for call in trajectory["tool_calls"]]
     samples = len(trajectories)
     metrics["tool/call_rate"] = sum(bool(t["tool_calls"]) for t in trajectories) / samples
     metrics["tool/calls_per_sample"] = len(calls) / samples
+    metrics["timing_s/tools"] = sum(t["tool_wait_s"] for t in trajectories)
     for kind in ERROR_KINDS:
         metrics[f"tool/errors/{kind}"] = sum(call["error"] == kind for call in calls) / samples
     for reason in FINISH_REASONS:

@@ -23,6 +23,7 @@ A trajectory ends with ``stop`` (a turn without calls), ``length`` (the response
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +64,7 @@ class Trajectory:
     messages: list[dict[str, str]] = field(default_factory=list)
     calls: list[dict[str, Any]] = field(default_factory=list)
     pending: list[tuple[ToolCall, concurrent.futures.Future]] = field(default_factory=list)
+    tool_wait_s: float = 0.0  # how long the loop waited for this trajectory's answers after its chunks generated
     finish: str | None = None
 
     def append(self, ids: list[int], from_policy: bool, log_probs: list[float] | None = None) -> None:
@@ -78,6 +80,7 @@ class Trajectory:
             "tool_calls": self.calls,
             "finish_reason": self.finish,
             "final_answer": answers[-1] if answers else "",
+            "tool_wait_s": self.tool_wait_s,
         }
 
 
@@ -179,10 +182,12 @@ class MultiTurnRollout:
         """Append the answers of the trajectory's calls (one delta), or end it when they do not fit."""
         answers = []
         for call, future in trajectory.pending:
+            waiting = time.perf_counter()
             try:
                 result = future.result(timeout=float(self.settings.tool_timeout_s) + 30)
             except concurrent.futures.TimeoutError:  # the tools' loop itself is stuck (a tool blocking in async code)
                 result = CallResult(f"error: {call.name} did not answer", "timeout", float("nan"))
+            trajectory.tool_wait_s += time.perf_counter() - waiting
             text, truncated = self.observations.cap(result.text)
             answers.append(text)
             trajectory.calls.append(
