@@ -537,7 +537,7 @@ def check_config(config: Any) -> None:
 
 
 def check_multi_turn(rollout: Any) -> None:
-    """Refuse a multi-turn setting that cannot run: an engine without the token primitive, a turn limit below 1, a
+    """Refuse a multi-turn setting that cannot run: vLLM with tensor parallelism, a turn limit below 1, a
     tool YAML that does not load, ``format=tag`` without exactly one tool of one required argument."""
     from rl_core.agent.parsers import tag_argument
     from rl_core.agent.tools.registry import ToolConfigError, configured_tools
@@ -546,10 +546,11 @@ def check_multi_turn(rollout: Any) -> None:
     key = "actor_rollout_ref.rollout.multi_turn"
     if not settings.enable:
         return
-    if rollout.name != "hf":
+    if rollout.name == "vllm" and int(rollout.tensor_model_parallel_size) > 1:
         raise ConfigValueError(
-            f"{key}.enable=true with rollout.name={rollout.name!r}: multi-turn rollouts run on the hf engine only (the "
-            "vllm engine has no token-in/token-out primitive yet); set actor_rollout_ref.rollout.name=hf"
+            f"{key}.enable=true with rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size}: the "
+            "agent loop runs on each worker's own prompts, and vLLM's tensor-parallel ranks must send the same "
+            "requests; set actor_rollout_ref.rollout.tensor_model_parallel_size=1"
         )
     for limit in ("max_assistant_turns", "max_user_turns"):
         value = settings[limit]

@@ -136,15 +136,17 @@ def sampling_seed(rollout_config: Any, meta_info: dict[str, Any], rank: int, par
     """The seed of ``part`` (a chunk of rows, or one row) of data-parallel ``rank``'s share of a rollout: a 63-bit hash
     of (``rollout.seed``, the global step, rank, part), so that seeds never repeat across ranks, parts or steps, runs
     repeat, and a re-run (resumed) step draws the same samples."""
-    key = f"{int(rollout_config.seed)}/{int(meta_info.get(GLOBAL_STEP) or 0)}/{rank}/{part}".encode()
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+    return _hash63(f"{int(rollout_config.seed)}/{int(meta_info.get(GLOBAL_STEP) or 0)}/{rank}/{part}")
 
 
-def response_mask_until_stop(responses: torch.Tensor, stop_token_ids: list[int]) -> torch.Tensor:
-    """1 for each response token up to and including the first stop token, 0 after it."""
-    is_stop = torch.isin(responses, torch.tensor(stop_token_ids, device=responses.device))
-    stops_before = torch.cumsum(is_stop.long(), dim=-1) - is_stop.long()  # stop tokens strictly before t
-    return (stops_before == 0).long()
+def row_seed(seed: int, row: int) -> int:
+    """The seed of row ``row`` of a chunk drawn from the random stream ``seed``, for an engine that seeds each request
+    (vLLM): distinct across rows and chunks, the same whenever the chunk is drawn again."""
+    return _hash63(f"{int(seed)}/{int(row)}")
+
+
+def _hash63(key: str) -> int:
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") >> 1
 
 
 def prompt_contexts(prompts: Batch) -> list[list[int]]:

@@ -22,6 +22,7 @@ from rl_core.agent.tools.base import BaseTool, ToolResponse
 from rl_core.agent.tools.registry import builtin_tool, load_tools, tool_schemas
 from rl_core.config import ConfigValueError, DataConfig, RolloutConfig, check_multi_turn
 from rl_core.data.dataset import RLDataset
+from rl_core.metrics import multi_turn_metrics
 from rl_core.models.loading import load_policy_model
 from rl_core.rollout import build_rollout_engine
 from rl_core.rollout.base import cut_at_stop
@@ -273,7 +274,8 @@ def test_a_hanging_tool_is_answered_with_a_timeout_in_time(tmp_path, tokenizer):
 
 
 def test_tool_calls_of_many_chunks_overlap(tmp_path, tokenizer):
-    """8 one-row chunks whose calls each take 0.2 s: they run together, not one after the other."""
+    """8 one-row chunks whose calls each take 0.2 s: they run together, not one after the other, and timing_s/tools
+    counts only the wait that was not overlapped (about one call's)."""
     prompts = prompts_of(tmp_path, tokenizer, 8)
     call = turn(tokenizer, '<tool_call>{"name": "sleep", "arguments": {"x": 1}}</tool_call>')
     script = [[call, turn(tokenizer, "ok")]] * 8
@@ -282,6 +284,8 @@ def test_tool_calls_of_many_chunks_overlap(tmp_path, tokenizer):
     out, _ = run(tokenizer, prompts, script, tools, max_concurrent_tools=8)
     assert time.perf_counter() - started < 0.6 * 8 * 0.2
     assert all(info["tool_calls"][0]["answer"] == "slept 1" for info in out.non_tensors["multi_turn"])
+    waited = multi_turn_metrics(list(out.non_tensors["num_turns"]), list(out.non_tensors["multi_turn"]))
+    assert 0.1 <= waited["timing_s/tools"] < 0.6 * 8 * 0.2
 
 
 def test_the_batch_does_not_depend_on_the_tools_timing(tmp_path, tokenizer):
@@ -317,8 +321,9 @@ def test_multi_turn_without_tools_gives_the_single_turn_batch(tmp_path, config):
 def test_the_config_refuses_what_multi_turn_cannot_run(tmp_path):
     rollout = rollout_config(tool_config_path=CALC_TOOLS)
     check_multi_turn(rollout)
+    check_multi_turn(OmegaConf.merge(rollout, {"name": "vllm"}))  # its token primitive: tests/rl_core/test_vllm_cpu.py
     for change, message in [
-        ({"name": "vllm"}, "multi-turn rollouts run on the hf engine only"),
+        ({"name": "vllm", "tensor_model_parallel_size": 2}, "tensor_model_parallel_size=2: the agent loop"),
         ({"multi_turn": {"max_user_turns": 0}}, "max_user_turns=0: at least 1"),
         ({"multi_turn": {"tool_config_path": str(tmp_path / "none.yaml")}}, "none.yaml: cannot read it"),
         ({"multi_turn": {"format": "tag", "tool_config_path": None}}, "needs exactly one tool"),

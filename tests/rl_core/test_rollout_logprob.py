@@ -12,7 +12,7 @@ from rl_core.models.logprob import response_log_probs, response_values
 from rl_core.models.tiny import make_tiny_model
 from rl_core.models.value_head import load_critic_model
 from rl_core.rollout import build_rollout_engine, hf_engine
-from rl_core.rollout.base import response_mask_until_stop, sampling_seed
+from rl_core.rollout.base import TokenSample, cut_at_stop, sampling_seed
 from tests.rl_core.helpers import addition_dataset
 
 
@@ -27,10 +27,16 @@ def prompts(tmp_path, policy, config):
     return dataset.collate(list(range(6)), uid_prefix="s0-")
 
 
-def test_response_mask_keeps_the_first_stop_token_and_nothing_after():
-    responses = torch.tensor([[5, 6, 2, 7, 2], [2, 5, 5, 5, 5], [5, 5, 5, 5, 5]])
-    assert response_mask_until_stop(responses, [2]).tolist() == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]]
-    assert response_mask_until_stop(responses, [7, 6]).tolist()[0] == [1, 1, 0, 0, 0]
+def test_a_response_keeps_the_first_stop_token_and_nothing_after():
+    rows = [[5, 6, 2, 7, 2], [2, 5, 5, 5, 5], [5, 5, 5, 5, 5]]
+    cut = [cut_at_stop(row, [2], budget=5) for row in rows]
+    assert [(sample.token_ids, sample.finish_reason) for sample in cut] == [
+        ([5, 6, 2], "stop"),
+        ([2], "stop"),
+        ([5, 5, 5, 5, 5], "length"),
+    ]
+    assert cut_at_stop(rows[0], [7, 6], budget=5).token_ids == [5, 6]
+    assert cut_at_stop(rows[0], [7], budget=2) == TokenSample([5, 6], None, "length")  # the budget comes first
 
 
 def test_generate_one_response_per_row_with_verl_layout(policy, prompts, config):

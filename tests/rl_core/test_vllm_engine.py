@@ -17,7 +17,7 @@ from rl_core.input_checks import device_problems
 from rl_core.models.loading import load_policy_model
 from rl_core.models.lora import apply_lora
 from rl_core.rollout import build_rollout_engine
-from rl_core.rollout.base import SamplingParams
+from rl_core.rollout.base import SamplingParams, assemble_samples, prompt_contexts, row_seed
 from rl_core.rollout.vllm import engine as vllm_engine_module
 from rl_core.rollout.vllm.engine import VLLMNotAvailableError, VLLMRolloutEngine
 from rl_core.rollout.vllm.settings import engine_arguments, sampling_arguments, tensor_parallel_slice
@@ -97,11 +97,12 @@ def test_tensor_parallel_slice_returns_each_ranks_own_rows():
     assert [tensor_parallel_slice([3, 2, 4], r) for r in range(3)] == [slice(0, 3), slice(3, 5), slice(5, 9)]
 
 
-def test_outputs_take_verls_layout():
+def test_outputs_become_token_samples_in_verls_layout():
     """vLLM's RequestOutput objects are stood in for by namespaces with the same fields (vLLM is not installed)."""
     engine = object.__new__(VLLMRolloutEngine)
     engine.response_length, engine.pad_token_id, engine.stop_token_ids = 4, 0, [9]
     engine.config = OmegaConf.create({"calculate_log_probs": True})
+    engine.vllm = SimpleNamespace(SamplingParams=dict)
     prompts = Batch(
         {
             "input_ids": torch.tensor([[0, 5, 6], [7, 8, 6]]),
@@ -114,14 +115,20 @@ def test_outputs_take_verls_layout():
     def completion(tokens):
         return SimpleNamespace(token_ids=tokens, logprobs=[{t: SimpleNamespace(logprob=-0.1 * t)} for t in tokens])
 
+    requests = []
     outputs = [SimpleNamespace(outputs=[completion([2, 3, 4, 5])]), SimpleNamespace(outputs=[completion([4, 9, 3])])]
-    out = engine._to_batch(prompts, outputs, temperature=0.7)
+    engine.llm = SimpleNamespace(generate=lambda reqs, params, use_tqdm: requests.extend(zip(reqs, params)) or outputs)
+    samples = engine.generate_tokens(prompt_contexts(prompts), [4, 4], SamplingParams(True, 0.7, 1.0, -1), seed=5)
+    assert [request["prompt_token_ids"] for request, _ in requests] == [[5, 6], [7, 8, 6]]  # no left padding
+    assert [params["seed"] for _, params in requests] == [row_seed(5, 0), row_seed(5, 1)]
+    assert [(s.token_ids, s.finish_reason) for s in samples] == [([2, 3, 4, 5], "length"), ([4, 9], "stop")]
+    out = assemble_samples(prompts, samples, engine.response_length, engine.pad_token_id)
     assert out.non_tensors["uid"].tolist() == ["a", "b"]
     assert out.tensors["responses"].tolist() == [[2, 3, 4, 5], [4, 9, 0, 0]]
     assert out.tensors["response_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
     assert torch.allclose(out.tensors["rollout_log_probs"][0], torch.tensor([-0.2, -0.3, -0.4, -0.5]))
     assert out.tensors["rollout_log_probs"][1].tolist()[2:] == [0.0, 0.0]  # nothing after the stop token
-    assert out.tensors["position_ids"][0].tolist() == [0, 0, 1, 2, 3, 4, 5] and out.meta_info["temperature"] == 0.7
+    assert out.tensors["position_ids"][0].tolist() == [0, 0, 1, 2, 3, 4, 5]
 
 
 class RecordingLLM:

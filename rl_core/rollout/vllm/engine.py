@@ -25,18 +25,24 @@ memory. Not yet run on a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from rl_core.batch import Batch
-from rl_core.batch_fields import ATTENTION_MASK, INPUT_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, TEMPERATURE
+from rl_core.batch_fields import GLOBAL_STEP, INPUT_IDS, TEMPERATURE
 from rl_core.rollout.base import (
-    assemble_sequences,
+    SamplingParams,
+    TokenSample,
+    assemble_samples,
+    cut_at_stop,
     data_parallel_rank,
-    response_mask_until_stop,
+    prompt_contexts,
+    row_seed,
     sampling_params,
     sampling_seed,
     stop_token_ids,
@@ -140,57 +146,55 @@ class VLLMRolloutEngine:
             self.llm.wake_up(tags=["kv_cache"])
 
     # ------------------------------------------------------------------ generation
-    @torch.no_grad()
-    def generate_sequences(self, prompts: Batch) -> Batch:
-        settings = sampling_params(self.config, prompts.meta_info)
-        step = prompts.meta_info.get("global_step")
-        group, counts = self._tensor_parallel_prompts(prompts)
-        rank = data_parallel_rank()
-        group_rank = rank - rank % self.tp_size  # the TP group's ranks send the same requests
-        requests, params = [], []
-        for i in range(len(group)):
-            ids = group.tensors[INPUT_IDS][i][group.tensors[ATTENTION_MASK][i].bool()].tolist()  # left padding dropped
-            requests.append({"prompt_token_ids": ids})
-            seed = sampling_seed(self.config, prompts.meta_info, group_rank, i)
-            params.append(
-                self.vllm.SamplingParams(
-                    **sampling_arguments(
-                        settings, self.response_length, self.stop_token_ids, bool(self.config.calculate_log_probs), seed
-                    )
-                )
-            )
-        self._wake_with_weights_of(step)
+    @contextlib.contextmanager
+    def rollout(self, meta_info: dict[str, Any]) -> Iterator[None]:
+        """Around one rollout's ``generate_tokens`` calls: awake with the weights of ``meta_info``'s global step,
+        asleep after (``free_cache_engine``)."""
+        self._wake_with_weights_of(meta_info.get(GLOBAL_STEP))
         try:
-            outputs = self.llm.generate(requests, params, use_tqdm=False)
+            yield
         finally:
             if self.sleeps:
                 self.llm.sleep(level=2)
-        if counts is not None:  # keep this TP rank's own prompts' samples
-            rows = tensor_parallel_slice(counts, rank % self.tp_size)
-            outputs, group = outputs[rows], prompts
-        return self._to_batch(group, outputs, settings.temperature)
 
-    def _to_batch(self, prompts: Batch, outputs: list[Any], temperature: float) -> Batch:
-        """verl's layout from vLLM's outputs (one completion per prompt row)."""
-        device = prompts.tensors[INPUT_IDS].device
-        responses = torch.full((len(prompts), self.response_length), self.pad_token_id, dtype=torch.long)
-        log_probs = torch.zeros((len(prompts), self.response_length), dtype=torch.float32)
-        for row, output in enumerate(outputs):
-            completion = output.outputs[0]
-            tokens = list(completion.token_ids)[: self.response_length]
-            responses[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-            if completion.logprobs is not None:
-                log_probs[row, : len(tokens)] = torch.tensor(
-                    [step[token].logprob for token, step in zip(tokens, completion.logprobs)]
-                )
-        responses, log_probs = responses.to(device), log_probs.to(device)
-        out = assemble_sequences(
-            prompts, responses, response_mask_until_stop(responses, self.stop_token_ids), self.pad_token_id
-        )
-        if self.config.calculate_log_probs:
-            out.tensors[ROLLOUT_LOG_PROBS] = log_probs * out.tensors[RESPONSE_MASK]
-        out.meta_info[TEMPERATURE] = temperature
+    @torch.no_grad()
+    def generate_sequences(self, prompts: Batch) -> Batch:
+        settings = sampling_params(self.config, prompts.meta_info)
+        group, counts = self._tensor_parallel_prompts(prompts)
+        rank = data_parallel_rank()
+        group_rank = rank - rank % self.tp_size  # the TP group's ranks send the same requests, with the same seeds
+        seed = sampling_seed(self.config, prompts.meta_info, group_rank, 0)
+        with self.rollout(prompts.meta_info):
+            samples = self.generate_tokens(prompt_contexts(group), [self.response_length] * len(group), settings, seed)
+        if counts is not None:  # keep this TP rank's own prompts' samples
+            samples, group = samples[tensor_parallel_slice(counts, rank % self.tp_size)], prompts
+        out = assemble_samples(group, samples, self.response_length, self.pad_token_id)
+        out.meta_info[TEMPERATURE] = settings.temperature
         return out
+
+    def generate_tokens(
+        self, contexts: list[list[int]], max_new_tokens: list[int], params: SamplingParams, seed: int, width: int = 0
+    ) -> list[TokenSample]:
+        """One request per context (see :class:`rl_core.rollout.base.TokenEngine`), its seed ``row_seed(seed, i)``;
+        the ids and their log-probs as vLLM sampled them, cut at the first stop token and the row's budget. ``width``
+        (padding) means nothing to vLLM."""
+        requests = [{"prompt_token_ids": list(context)} for context in contexts]
+        log_probs = bool(self.config.calculate_log_probs)
+        request_params = [
+            self.vllm.SamplingParams(
+                **sampling_arguments(params, budget, self.stop_token_ids, log_probs, row_seed(seed, row))
+            )
+            for row, budget in enumerate(max_new_tokens)
+        ]
+        outputs = self.llm.generate(requests, request_params, use_tqdm=False)
+        samples = []
+        for output, budget in zip(outputs, max_new_tokens):
+            completion = output.outputs[0]
+            sample = cut_at_stop(list(completion.token_ids), self.stop_token_ids, budget)
+            if completion.logprobs is not None:
+                sample.log_probs = [step[token].logprob for token, step in zip(sample.token_ids, completion.logprobs)]
+            samples.append(sample)
+        return samples
 
     def _tensor_parallel_prompts(self, prompts: Batch) -> tuple[Batch, list[int] | None]:
         """With TP > 1: the union of the prompts of this rank's TP group (every TP rank submits the same requests)
