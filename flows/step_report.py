@@ -9,6 +9,7 @@ from rl_core.batch import Batch, response_ends
 from rl_core.batch_fields import (
     ADVANTAGES,
     ATTENTION_MASK,
+    MULTI_TURN,
     OLD_LOG_PROBS,
     PROMPTS,
     REF_LOG_PROB,
@@ -41,7 +42,8 @@ def console_line(step: int, total: int, metrics: dict[str, float], seconds: floa
 def samples_table(batch: Batch, tokenizer: Any, count: int) -> dict[str, list]:
     """``count`` rollout samples spread over the batch: prompt, response, score, advantage, and per response token its
     text, advantage and (with a reference policy) KL estimate ``old_log_prob - ref_log_prob`` (the inspector colours
-    tokens by them)."""
+    tokens by them); for multi-turn rollouts also whether each token is the policy's (``token_from_policy``: 0 on tool
+    answers) and each sample's ``tool_calls``."""
     rows = list(range(0, len(batch), max(1, len(batch) // count)))[:count]
     tensors = batch.tensors
     lengths = response_ends(tensors[RESPONSE_MASK]).tolist()
@@ -64,4 +66,13 @@ def samples_table(batch: Batch, tokenizer: Any, count: int) -> dict[str, list]:
     if REF_LOG_PROB in tensors and OLD_LOG_PROBS in tensors:
         kl = tensors[OLD_LOG_PROBS] - tensors[REF_LOG_PROB]
         table["token_kl"] = [kl[r, : lengths[r]].tolist() for r in rows]
+    if MULTI_TURN in batch.non_tensors:  # tool answers inside the response: the inspector greys them, lists the calls
+        table["token_from_policy"] = [tensors[RESPONSE_MASK][r, : lengths[r]].tolist() for r in rows]
+        table["tool_calls"] = [
+            [
+                {key: call[key] for key in ("name", "arguments", "error", "answer", "latency_s")}
+                for call in batch.non_tensors[MULTI_TURN][r]["tool_calls"]
+            ]
+            for r in rows
+        ]
     return table

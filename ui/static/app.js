@@ -197,7 +197,12 @@ function renderSamples() {
     const tokens = sample.response_tokens;
     const values = sample[valuesKey];
     if (tokens && values) {
+      const fromPolicy = sample.token_from_policy;
       tokens.forEach((token, i) => {
+        if (fromPolicy && !fromPolicy[i]) {  // a tool's answer or template glue: not trained, shown grey
+          response.append(el("span", { className: "token observation", text: token, title: "tool output (not trained)" }));
+          return;
+        }
         const span = el("span", { className: "token", text: token, title: `${colourBy} ${formatNumber(values[i], 4)}` });
         span.style.backgroundColor = tokenColour(values[i], scale);
         response.append(span);
@@ -205,9 +210,15 @@ function renderSamples() {
     } else {
       response.textContent = sample.response;  // no per-token values logged (or none for this colouring)
     }
+    const calls = (sample.tool_calls || []).map((call) => el("li", {
+      className: call.error ? "call failed" : "call",
+      text: `${call.name ?? "?"}(${JSON.stringify(call.arguments ?? {})}) → ${call.answer}`
+        + (call.error ? ` [${call.error}]` : ` (${formatNumber(call.latency_s, 3)} s)`),
+    }));
     container.append(el("div", { className: "sample" },
       el("div", { className: "meta", text: `score ${formatNumber(sample.score)} · advantage ${formatNumber(sample.advantage)}` }),
-      el("div", { className: "prompt", text: sample.prompt }), response));
+      el("div", { className: "prompt", text: sample.prompt }), response,
+      ...(calls.length ? [el("ul", { className: "tool-calls" }, ...calls)] : [])));
   }
   if (!shown.length) container.append(el("p", { className: "hint", text: state.samples.length ? "no sample matches the filters" : "no samples logged for this run" }));
 }
