@@ -27,6 +27,9 @@ from rl_core.config import ConfigValueError, PPOTrainerConfig, check_config
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 CONFIG_NAME = "ppo_trainer"
 DEMO_PROFILE = CONFIG_DIR / "profile" / "demo.yaml"
+CALC_PROFILE = CONFIG_DIR / "profile" / "demo_calc.yaml"  # over the demo profile, for data.synthetic.task=calc
+# `${configs_dir:}` in a config: this folder (the tool demo's profile names its tool YAML with it)
+OmegaConf.register_new_resolver("configs_dir", lambda: str(CONFIG_DIR), replace=True)
 ConfigStore.instance().store(name="ppoflow_schema", node=PPOTrainerConfig)
 
 
@@ -76,7 +79,8 @@ def compose_config(overrides: list[str] | None = None, base: str | None = None) 
         chosen = any(o.lstrip("+").startswith("profile=") for o in overrides)
         # the embedded demo: its profile under the overrides
         if base is None and config.actor_rollout_ref.model.path is None and not chosen:
-            config = _compose([f"+profile={DEMO_PROFILE.stem}", *overrides], base)
+            profiles = [DEMO_PROFILE.stem] + ([CALC_PROFILE.stem] if config.data.synthetic.task == "calc" else [])
+            config = _compose([f"+profile=[{','.join(profiles)}]", *overrides], base)
         # `+key=value` slips past the schema: refuse it here
         OmegaConf.merge(PPOTrainerConfig, OmegaConf.to_container(config))
         OmegaConf.resolve(config)
@@ -124,6 +128,7 @@ PATH_KEYS = (
     "trainer.default_local_dir",
     "trainer.resume_from_path",
     "trainer.artifact_location",
+    "actor_rollout_ref.rollout.multi_turn.tool_config_path",
 )
 SQLITE = "sqlite:///"
 

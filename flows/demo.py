@@ -1,5 +1,9 @@
-"""The embedded default's assets, built once and cached: a tiny Qwen2 warm-started by SFT on the synthetic
-addition task (so that RL starts from a policy that sometimes succeeds), and the task's train/val files."""
+"""The embedded default's assets, built once and cached: a tiny Qwen2 warm-started by SFT on the synthetic task
+(``data.synthetic.task``: so that RL starts from a policy that sometimes succeeds), and the task's train/val files.
+
+The calc task's warm start mixes direct answers and calculator calls (``CALC_SFT_TOOL_SHARE``): the policy starts out
+calling the tool in some samples and answering directly (2-digit products are beyond it) in the others, and the
+outcome reward then favours the calls that are copied right."""
 
 from __future__ import annotations
 
@@ -9,15 +13,29 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from rl_core.data.dataset import write_rows
-from rl_core.data.synthetic import addition_rows
+from rl_core.data.synthetic import addition_rows, calc_rows, calc_transcript
 
 DEMO_VERSION = "v2"  # v2: the SFT warm start no longer depends on data.synthetic.train_size
 SFT_STEPS, SFT_BATCH, SFT_LR = 60, 64, 3e-3
 SFT_ROWS = 2000  # the warm start's own problems: the cached model is the same whatever data.synthetic.train_size is
+CALC_MODEL, CALC_SFT_STEPS, CALC_SFT_LR = {"hidden_size": 128, "num_layers": 2}, 600, 1e-3
+# the calc warm start: at lr 1e-3 (6e-3 never learnt to copy) 600 steps teach the tiny model to copy the operands into
+# its call and the calculator's answer into its last turn; 30% of its traces call (the others answer directly, wrongly
+# on new problems), so the policy starts out calling in about a quarter of its answers and RL finds the calls (README)
+CALC_SFT_TOOL_SHARE = 0.3
 
 
 def demo_dir(config: DictConfig) -> Path:
-    return Path(config.trainer.cache_dir).expanduser() / f"demo-{DEMO_VERSION}-max{config.data.synthetic.max_operand}"
+    synthetic = config.data.synthetic
+    name = f"demo-{DEMO_VERSION}-max{synthetic.max_operand}" if synthetic.task == "addition" else "demo-v1-calc"
+    return Path(config.trainer.cache_dir).expanduser() / name
+
+
+def task_rows(config: DictConfig, count: int, split: str) -> list[dict]:
+    synthetic = config.data.synthetic
+    if synthetic.task == "calc":
+        return calc_rows(count, seed=0, split=split)
+    return addition_rows(count, seed=0, max_operand=synthetic.max_operand, split=split)
 
 
 def ensure_demo_data(config: DictConfig) -> tuple[str, str]:
@@ -27,10 +45,23 @@ def ensure_demo_data(config: DictConfig) -> tuple[str, str]:
     train = folder / f"train-{synthetic.train_size}.parquet"
     val = folder / f"val-{synthetic.val_size}.parquet"
     if not train.exists():
-        write_rows(addition_rows(synthetic.train_size, seed=0, max_operand=synthetic.max_operand, split="train"), train)
+        write_rows(task_rows(config, synthetic.train_size, "train"), train)
     if not val.exists():
-        write_rows(addition_rows(synthetic.val_size, seed=0, max_operand=synthetic.max_operand, split="val"), val)
+        write_rows(task_rows(config, synthetic.val_size, "val"), val)
     return str(train), str(val)
+
+
+def sft_examples(config: DictConfig) -> list:
+    """The warm start's traces: the answers (addition); a mix of direct answers and calculator calls (calc)."""
+    from rl_core.sft import SFTExample
+
+    calc = config.data.synthetic.task == "calc"
+    # the calc traces come from problems of their own: direct answers learnt by heart would leak into RL's
+    rows = task_rows(config, SFT_ROWS, "sft" if calc else "train")
+    if not calc:
+        return [SFTExample(row["prompt"], row["reward_model"]["ground_truth"]) for row in rows]
+    tool_rows = int(len(rows) * CALC_SFT_TOOL_SHARE)
+    return [SFTExample(row["prompt"], calc_transcript(row, i >= len(rows) - tool_rows)) for i, row in enumerate(rows)]
 
 
 def ensure_demo_model(config: DictConfig, log=print) -> str:
@@ -44,16 +75,18 @@ def ensure_demo_model(config: DictConfig, log=print) -> str:
     )
     from rl_core.models.loading import load_policy_model
     from rl_core.models.tiny import make_tiny_model
-    from rl_core.sft import SFTExample, run_sft
+    from rl_core.sft import run_sft
 
     staging = target.with_name("tiny-sft.tmp")
     shutil.rmtree(staging, ignore_errors=True)
-    make_tiny_model(staging, seed=0, max_operand=config.data.synthetic.max_operand)
+    synthetic = config.data.synthetic
+    calc = synthetic.task == "calc"
+    shape = CALC_MODEL if calc else {}
+    make_tiny_model(staging, seed=0, max_operand=synthetic.max_operand, task=synthetic.task, **shape)
     model, tokenizer = load_policy_model(ModelConfig(path=str(staging)))
-    rows = addition_rows(SFT_ROWS, seed=0, max_operand=config.data.synthetic.max_operand, split="train")
-    examples = [SFTExample(row["prompt"], row["reward_model"]["ground_truth"]) for row in rows]
-    log(f"[demo] warm-starting the tiny model with {SFT_STEPS} SFT steps (once; cached in {target})")
-    losses = run_sft(model, tokenizer, examples, steps=SFT_STEPS, batch_size=SFT_BATCH, lr=SFT_LR, seed=0)
+    steps, lr = (CALC_SFT_STEPS, CALC_SFT_LR) if calc else (SFT_STEPS, SFT_LR)
+    log(f"[demo] warm-starting the tiny model with {steps} SFT steps (once; cached in {target})")
+    losses = run_sft(model, tokenizer, sft_examples(config), steps=steps, batch_size=SFT_BATCH, lr=lr, seed=0)
     log(f"[demo] SFT loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     model.save_pretrained(staging, safe_serialization=True)
     tokenizer.save_pretrained(staging)

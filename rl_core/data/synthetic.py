@@ -1,4 +1,10 @@
-"""The synthetic demo task: add two small numbers. A tiny model learns it on CPU in minutes; rule-rewarded.
+"""The synthetic demo tasks, rule-rewarded, that a tiny model learns on CPU in minutes (``data.synthetic.task``):
+
+* ``addition``: add two small numbers, ``7+12=`` -> ``19``;
+* ``calc``: multiply two 2-digit numbers, which the tiny model cannot do itself but can ask the calculator for
+  (a multi-turn rollout with tools)::
+
+      user "37*48="  ->  assistant "<call>37*48</call>"  ->  tool "1776"  ->  assistant "1776"
 
 Rows are in verl's dataset format, so the demo exercises exactly the path a user's data takes::
 
@@ -11,6 +17,10 @@ from __future__ import annotations
 import random
 
 DATA_SOURCE = "ppoflow/addition"
+CALC_DATA_SOURCE = "ppoflow/calc"
+TASKS = ("addition", "calc")
+CALL, END_CALL = "<call>", "</call>"  # the calc task's call markers: special tokens of its tiny tokenizer
+CALC_OPERANDS = (10, 99)
 
 
 def addition_rows(count: int, seed: int, max_operand: int = 20, split: str = "train") -> list[dict]:
@@ -34,3 +44,34 @@ def addition_rows(count: int, seed: int, max_operand: int = 20, split: str = "tr
 def corpus(max_operand: int = 20) -> list[str]:
     """Every problem and answer of the task as text: what the tiny tokenizer is trained on."""
     return [f"{a}+{b}={a + b}" for a in range(max_operand + 1) for b in range(max_operand + 1)]
+
+
+def calc_rows(count: int, seed: int, split: str = "train") -> list[dict]:
+    """``count`` random products a * b with a, b in ``CALC_OPERANDS``, deterministic in ``seed``."""
+    rng = random.Random(f"calc-{split}-{seed}")
+    rows = []
+    for index in range(count):
+        a, b = rng.randint(*CALC_OPERANDS), rng.randint(*CALC_OPERANDS)
+        rows.append(
+            {
+                "data_source": CALC_DATA_SOURCE,
+                "prompt": [{"role": "user", "content": f"{a}*{b}="}],
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": str(a * b)},
+                "extra_info": {"split": split, "index": index},
+            }
+        )
+    return rows
+
+
+def calc_transcript(row: dict, use_tool: bool) -> list[dict[str, str]]:
+    """The messages after a calc row's prompt: the call, the calculator's answer and the final answer, or the answer
+    alone."""
+    expression, answer = row["prompt"][0]["content"].removesuffix("="), row["reward_model"]["ground_truth"]
+    if not use_tool:
+        return [{"role": "assistant", "content": answer}]
+    return [
+        {"role": "assistant", "content": f"{CALL}{expression}{END_CALL}"},
+        {"role": "tool", "content": answer},
+        {"role": "assistant", "content": answer},
+    ]

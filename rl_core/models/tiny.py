@@ -15,7 +15,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from rl_core.data.synthetic import corpus
+from rl_core.data.synthetic import CALL, END_CALL, calc_rows, calc_transcript, corpus
 from rl_core.models.families import FAMILIES
 
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -30,8 +30,11 @@ ENGLISH = (
 )
 
 
-def build_tokenizer(texts: Iterable[str], vocab_size: int = 320) -> PreTrainedTokenizerFast:
-    """A byte-level BPE trained on ``texts`` (digits always split one by one), wrapped for transformers."""
+def build_tokenizer(
+    texts: Iterable[str], vocab_size: int = 320, extra_special_tokens: tuple[str, ...] = ()
+) -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained on ``texts`` (digits always split one by one), wrapped for transformers;
+    ``extra_special_tokens`` are single tokens that the pre-tokenizer never splits."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
@@ -39,14 +42,41 @@ def build_tokenizer(texts: Iterable[str], vocab_size: int = 320) -> PreTrainedTo
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[PAD, IM_START, IM_END],
+        special_tokens=[PAD, IM_START, IM_END, *extra_special_tokens],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(list(texts), trainer=trainer)
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token=PAD, eos_token=IM_END, padding_side="left")
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token=PAD,
+        eos_token=IM_END,
+        padding_side="left",
+        additional_special_tokens=list(extra_special_tokens),
+    )
     wrapped.chat_template = CHAT_TEMPLATE
     return wrapped
+
+
+def task_texts(task: str, max_operand: int) -> tuple[list[str], tuple[str, ...]]:
+    """The conversations of synthetic ``task`` (rl_core.data.synthetic) the tiny tokenizer is trained on, and the
+    special tokens the task needs."""
+    if task == "calc":
+        rows = calc_rows(500, seed=0, split="tokenizer")
+        conversations = [
+            [
+                *row["prompt"],
+                *calc_transcript(row, use_tool=True),
+            ]
+            for row in rows
+        ]
+        template = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()))
+        template.chat_template = CHAT_TEMPLATE
+        return [template.apply_chat_template(c, tokenize=False) for c in conversations], (CALL, END_CALL)
+    return [
+        f"{IM_START}user\n{problem.split('=')[0]}={IM_END}\n{IM_START}assistant\n{problem.split('=')[1]}{IM_END}"
+        for problem in corpus(max_operand)
+    ], ()
 
 
 def make_tiny_model(
@@ -56,6 +86,7 @@ def make_tiny_model(
     num_layers: int = 2,
     max_operand: int = 20,
     family: str = "qwen2",
+    task: str = "addition",
     **shape: int,
 ) -> Path:
     """Write a randomly initialised causal LM of ``family`` (see FAMILIES) + tokenizer to ``out_dir``; returns the
@@ -67,11 +98,8 @@ def make_tiny_model(
         raise ValueError(f"family={family!r}: choose one of {', '.join(FAMILIES)}")
     model_type, family_settings = FAMILIES[family]
     out = Path(out_dir)
-    texts = [
-        f"{IM_START}user\n{problem.split('=')[0]}={IM_END}\n{IM_START}assistant\n{problem.split('=')[1]}{IM_END}"
-        for problem in corpus(max_operand)
-    ]
-    tokenizer = build_tokenizer(texts + [ENGLISH])
+    texts, specials = task_texts(task, max_operand)
+    tokenizer = build_tokenizer(texts + [ENGLISH], extra_special_tokens=specials)
     sizes = {
         "vocab_size": len(tokenizer),
         "intermediate_size": 4 * hidden_size,

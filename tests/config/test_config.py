@@ -157,3 +157,18 @@ def test_paths_are_made_absolute_against_the_working_folder(tmp_path, monkeypatc
         and config.trainer.tracking_uri == f"sqlite:///{tmp_path}/mlflow.db"
     )
     assert config.trainer.default_local_dir == str(tmp_path / "checkpoints" / "ppoflow" / "demo")
+
+
+def test_the_tool_demo_takes_its_profile_over_the_demos_and_a_users_model_neither(tmp_path, monkeypatch):
+    """`ppoflow train data.synthetic.task=calc`: the demo profile, then the tool demo's (multi-turn with the calculator,
+    its YAML found wherever the command runs); a user's overrides still win; with a model path, no profile."""
+    monkeypatch.chdir(tmp_path)
+    calc = compose_config(["data.synthetic.task=calc", "actor_rollout_ref.rollout.n=2"])
+    multi_turn = calc.actor_rollout_ref.rollout.multi_turn
+    assert multi_turn.enable and multi_turn.format == "tag"
+    assert multi_turn.tool_config_path == str(ROOT / "configs" / "tools" / "calculator.yaml")
+    assert calc.trainer.experiment_name == "demo_calc" and calc.data.train_batch_size == 16
+    assert calc.actor_rollout_ref.rollout.n == 2
+    assert calc.actor_rollout_ref.actor.optim.lr == compose_config([]).actor_rollout_ref.actor.optim.lr  # the demo's
+    own = compose_config(["data.synthetic.task=calc", "actor_rollout_ref.model.path=mine"])
+    assert not own.actor_rollout_ref.rollout.multi_turn.enable and own.trainer.experiment_name != "demo_calc"

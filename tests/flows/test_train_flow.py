@@ -22,10 +22,16 @@ from flows.resume import ResumeRefused
 from flows.train import train
 from flows.workers import run_namespace
 from rl_core.algos import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+from rl_core.config import ModelConfig
+from rl_core.data.dataset import write_rows
+from rl_core.data.synthetic import calc_rows, calc_transcript
 from rl_core.models.families import FAMILIES
 from rl_core.models.folder import ModelLoadError
+from rl_core.models.loading import load_policy_model
 from rl_core.models.tiny import make_tiny_model
+from rl_core.sft import SFTExample, run_sft
 from rl_core.step_checkpoint import StepCheckpoints
+from tests.conftest import ROOT
 from tests.flows.conftest import metric_history
 
 VERL_NAMES = (
@@ -376,3 +382,67 @@ def test_a_failure_while_setting_up_marks_the_run_failed_and_frees_the_workers(r
         if g["name"].startswith("workers-") and g["state"] != "REMOVED"
     ]
     assert live_groups == []
+
+
+@pytest.fixture(scope="module")
+def calc_caller(tmp_path_factory):
+    """The calc task's tiny model after 150 SFT steps (~3 s) on calculator transcripts: nearly all its samples call
+    the calculator (not always with the right operands), so the flow's rollouts hold tool answers."""
+    folder = make_tiny_model(tmp_path_factory.mktemp("calc") / "caller", task="calc")
+    model, tokenizer = load_policy_model(ModelConfig(path=str(folder)))
+    rows = calc_rows(64, seed=0, split="sft")
+    examples = [SFTExample(row["prompt"], calc_transcript(row, use_tool=True)) for row in rows]
+    run_sft(model, tokenizer, examples, steps=150, batch_size=16, lr=3e-3, seed=0)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def test_multi_turn_rollouts_with_a_tool_train_and_resume_in_the_flow(run_overrides, tmp_path, calc_caller):
+    """The calc task with multi-turn rollouts (format tag, the calculator's YAML) on a model that calls the tool: the
+    flow trains and validates, logs verl's num_turns and the tool metrics, the samples table marks the tool's answers
+    as not the policy's, and a run resumed after step 1 is the run trained straight (the same trajectories, tool
+    answers included). A learning run: bench/calc_demo.py."""
+    train_file = write_rows(calc_rows(32, seed=0), tmp_path / "train.parquet")
+    val_file = write_rows(calc_rows(8, seed=0, split="val"), tmp_path / "val.parquet")
+
+    def overrides(steps: int, folder: Path) -> list[str]:
+        return run_overrides(
+            "+profile=demo",
+            f"actor_rollout_ref.model.path={calc_caller}",
+            f"data.train_files={train_file}",
+            f"data.val_files={val_file}",
+            "data.max_prompt_length=16",
+            "data.max_response_length=24",
+            "actor_rollout_ref.rollout.multi_turn.enable=true",
+            "actor_rollout_ref.rollout.multi_turn.format=tag",
+            f"actor_rollout_ref.rollout.multi_turn.tool_config_path={ROOT / 'configs' / 'tools' / 'calculator.yaml'}",
+            f"trainer.total_training_steps={steps}",
+            "trainer.test_freq=2",
+            folder=folder,
+        )
+
+    straight = train(overrides=overrides(2, tmp_path / "straight"))
+    history = metric_history(straight["tracking_uri"], straight["run_id"])
+    for name in ("num_turns/mean", "tool/call_rate", "multi_turn/finish/stop", "response_length/model_tokens/mean"):
+        assert sorted(history[name]) == [1, 2], name
+    assert history["tool/call_rate"][1][0] > 0.5 and history["tool/success_rate"][1][0] > 0.5
+    assert sorted(history["val-aux/num_turns/mean"]) == [0, 2] and "timing_s/tools" in history
+    assert all(values[0] >= 2 for values in history["num_turns/min"].values())
+    client = MlflowClient(straight["tracking_uri"])
+    path = client.download_artifacts(straight["run_id"], "samples/step_000002.json", str(tmp_path))
+    table = json.loads(Path(path).read_text())
+    rows = [dict(zip(table["columns"], row)) for row in table["data"]]
+    answered = [row for row in rows if row["tool_calls"] and all(c["error"] is None for c in row["tool_calls"])]
+    # the calculator's answers are inside the response, not the policy's (the table runs to the last policy token)
+    assert answered and all(0 in row["token_from_policy"] for row in answered)
+
+    split = tmp_path / "split"
+    first = train(overrides=overrides(1, split))
+    second = train(overrides=[*overrides(2, split), "trainer.resume_mode=auto"])
+    assert second["run_id"] == first["run_id"]
+    resumed = metric_history(second["tracking_uri"], second["run_id"])
+    timed = ("timing_s/", "perf/", "tool/latency_s/")
+    compared = [key for key in history if not key.startswith(timed)]
+    assert "tool/calls_per_sample" in compared and "actor/pg_loss" in compared
+    for key in compared:  # the first part's last step also validated (step 1): that is not in the straight run
+        assert {step: resumed[key].get(step) for step in history[key]} == history[key], key

@@ -8,7 +8,7 @@ from rl_core.config import DataConfig, ModelConfig
 from rl_core.data import gsm8k
 from rl_core.data.dataset import DatasetError, RLDataset, read_rows, write_rows
 from rl_core.data.sampler import ResumableSampler
-from rl_core.data.synthetic import addition_rows
+from rl_core.data.synthetic import addition_rows, calc_rows, calc_transcript
 from rl_core.models.loading import load_policy_tokenizer, load_tokenizer
 
 
@@ -155,3 +155,18 @@ def test_custom_chat_template_shapes_the_dataset_prompts(tmp_path, tiny_model_pa
     dataset = RLDataset(str(write_rows(rows, tmp_path / "train.parquet")), tokenizer, data_config())
     expected = tokenizer("<<" + rows[1]["prompt"][-1]["content"] + ">>=>", add_special_tokens=False)["input_ids"]
     assert dataset.prompt_ids[1] == expected
+
+
+def test_calc_rows_are_two_digit_products_and_their_transcripts_call_or_answer():
+    rows = calc_rows(50, seed=0, split="train")
+    assert rows == calc_rows(50, seed=0, split="train") != calc_rows(50, seed=0, split="val")
+    for row in rows:
+        a, b = (int(x) for x in row["prompt"][0]["content"].removesuffix("=").split("*"))
+        assert 10 <= a <= 99 and 10 <= b <= 99 and row["reward_model"]["ground_truth"] == str(a * b)
+    row = {"prompt": [{"role": "user", "content": "37*48="}], "reward_model": {"ground_truth": "1776"}}
+    assert calc_transcript(row, use_tool=False) == [{"role": "assistant", "content": "1776"}]
+    assert calc_transcript(row, use_tool=True) == [
+        {"role": "assistant", "content": "<call>37*48</call>"},
+        {"role": "tool", "content": "1776"},
+        {"role": "assistant", "content": "1776"},
+    ]

@@ -46,6 +46,10 @@ def test_rule_scorers_by_hand():  # verl's gsm8k/MATH/DAPO rules: tests/rl_core/
     assert last_boxed(r"\boxed{\frac{1}{2}}") == r"\boxed{\frac{1}{2}}" and last_boxed("no box") is None
     assert addition_score("19", "19") == 1.0 and addition_score("191", "19") == 0.0 and addition_score("", "3") == 0.0
     assert default_compute_score("openai/gsm8k", "#### 5", "5") == 1.0
+    # the tool demo: a trajectory's last assistant message, else the response itself
+    assert default_compute_score("ppoflow/calc", "<call>37*48</call>...1776", "1776", {"final_answer": " 1776"}) == 1.0
+    assert default_compute_score("ppoflow/calc", "1776", "1776", {"final_answer": "<call>37*48</call>"}) == 0.0
+    assert default_compute_score("ppoflow/calc", "1776", "1776", None) == 1.0
     with pytest.raises(ValueError, match="no rule scorer for data_source='my/task'.*custom_reward_function.path"):
         default_compute_score("my/task", "x", "y")
 
