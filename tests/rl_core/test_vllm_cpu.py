@@ -89,17 +89,22 @@ def test_greedy_tokens_equal_the_hf_engines_on_the_lora_actors_weights(engines, 
 
 def test_sampled_log_probs_equal_the_recomputed_ones(engines, prompts, actor, vllm_config):
     out = rollout(engines[0], prompts, 2, repeat=4)
+    assert largest_log_prob_gap(actor[0], out, vllm_config.actor_rollout_ref.rollout.temperature) < 1e-3
+
+
+def largest_log_prob_gap(model, out, temperature):
+    """max |rollout_log_probs - the log-probs ppoflow recomputes| over the batch's sampled tokens."""
     mask = out.tensors["response_mask"].bool()
     with torch.no_grad():
         recomputed, _ = response_log_probs(
-            actor[0],
+            model,
             out.tensors["input_ids"],
             out.tensors["attention_mask"],
             out.tensors["position_ids"],
             mask.shape[1],
-            temperature=vllm_config.actor_rollout_ref.rollout.temperature,
+            temperature=temperature,
         )
-    assert (out.tensors["rollout_log_probs"][mask] - recomputed[mask]).abs().max() < 1e-3
+    return (out.tensors["rollout_log_probs"][mask] - recomputed[mask]).abs().max().item()
 
 
 def test_each_row_has_a_seed_of_its_own_and_a_step_repeats_exactly(engines, prompts):
@@ -159,17 +164,7 @@ def test_token_contexts_continue_as_on_the_hf_engine_with_the_samplers_log_probs
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
     contexts_batch = Batch({"input_ids": ids, "attention_mask": attention, "position_ids": positions})
     out = assemble_samples(contexts_batch, sampled, max(budgets), tokenizer.pad_token_id)
-    mask = out.tensors["response_mask"].bool()
-    with torch.no_grad():
-        recomputed, _ = response_log_probs(
-            actor[0],
-            out.tensors["input_ids"],
-            out.tensors["attention_mask"],
-            out.tensors["position_ids"],
-            mask.shape[1],
-            temperature=vllm_engine.config.temperature,
-        )
-    assert (out.tensors["rollout_log_probs"][mask] - recomputed[mask]).abs().max() < 1e-3
+    assert largest_log_prob_gap(actor[0], out, vllm_engine.config.temperature) < 1e-3
 
 
 def test_multi_turn_without_tools_on_vllm_gives_its_single_turn_batch(engines, prompts, actor, vllm_config):
