@@ -31,7 +31,7 @@ from flows.config import compose_config
 from flows.demo import apply_embedded_defaults
 from flows.prefect_view import PrefectRunView, mlflow_run_url, one_line
 from flows.secrets import REDACTED, redacted_keys
-from flows.tracking import CONFIG_ARTIFACT, RunTracker, open_store, tracking_uri
+from flows.tracking import CONFIG_ARTIFACT, RunTracker, open_store, provenance_tags, tracking_uri
 from flows.workers import build_workers, step_workers
 from infra.cluster import connect
 from rl_core.agent.tools.registry import tool_schemas
@@ -123,7 +123,7 @@ def run_evaluation(
         tags = {"ppoflow.kind": "evaluate", "ppoflow.source_run_id": source_run_id, "ppoflow.source": source}
         tracker = RunTracker(
             config,
-            tags={**tags, "ppoflow.source_step": str(step)},
+            tags={**provenance_tags(list(overrides or [])), **tags, "ppoflow.source_step": str(step)},
             run_name=f"{client.get_run(source_run_id).info.run_name}-eval",
         )
         view = PrefectRunView()

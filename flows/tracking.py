@@ -15,6 +15,9 @@ from __future__ import annotations
 import fcntl
 import os
 import re
+import shlex
+import subprocess
+import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -26,13 +29,16 @@ from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
 from flows.config import flatten
-from flows.secrets import redacted
+from flows.secrets import REDACTED, redact_text, redacted, split_secret_overrides
 from rl_core.checkpoint import TRAINING_STATE_FILE
 from rl_core.config import TrainerConfig
 
 STEP_MARKER = "training/global_step"
 CONFIG_ARTIFACT = "config/ppo_trainer.yaml"  # the config the run trains under (redacted)
 INVALID_METRIC_CHARS = re.compile(r"[^A-Za-z0-9_\-. :/]")
+# MLflow 3's UI opens an experiment without this tag in its GenAI view when the runs log tables (our samples)
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+CODE_ROOT = Path(__file__).resolve().parent.parent  # ppoflow's code: its git commit is recorded on each run
 
 
 def metric_key(name: str) -> str:
@@ -65,12 +71,45 @@ def open_store(uri: str) -> MlflowClient:
 
 def experiment_id(client: MlflowClient, config: DictConfig) -> str:
     """The id of the experiment ``trainer.project_name``, created (artifacts under ``trainer.artifact_location``) if
-    new."""
+    new, and marked as model training (:data:`EXPERIMENT_KIND`)."""
     experiment = client.get_experiment_by_name(config.trainer.project_name)
-    if experiment is not None:
-        return experiment.experiment_id
-    location = Path(config.trainer.artifact_location).expanduser().resolve().as_uri()
-    return client.create_experiment(config.trainer.project_name, artifact_location=location)
+    if experiment is None:
+        location = Path(config.trainer.artifact_location).expanduser().resolve().as_uri()
+        return client.create_experiment(
+            config.trainer.project_name, artifact_location=location, tags=dict([EXPERIMENT_KIND])
+        )
+    if EXPERIMENT_KIND[0] not in experiment.tags:
+        client.set_experiment_tag(experiment.experiment_id, *EXPERIMENT_KIND)
+    return experiment.experiment_id
+
+
+def provenance_tags(overrides: list[str]) -> dict[str, str]:
+    """What a run was made from, as tags: the command line (``ppoflow.command``), the Hydra overrides
+    (``ppoflow.overrides``, one per line), secrets redacted in both, and the git commit of ppoflow's code
+    (``mlflow.source.git.commit``, with ``ppoflow.git_dirty`` when it has uncommitted changes) where it is a git
+    checkout."""
+    public, secret = split_secret_overrides(list(overrides))
+    tags = {
+        "ppoflow.command": redact_text(shlex.join(sys.argv), set(secret))[:5000],
+        "ppoflow.overrides": "\n".join([*public, *(REDACTED for _ in secret)])[:5000],
+    }
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(CODE_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=True
+        ).stdout.strip()
+        changes = subprocess.run(
+            ["git", "-C", str(CODE_ROOT), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):  # not a git checkout (an installed wheel), or no git
+        return tags
+    tags["mlflow.source.git.commit"] = commit
+    if changes.strip():
+        tags["ppoflow.git_dirty"] = "true"
+    return tags
 
 
 def mark_killed(uri: str, run_id: str, reason: str) -> bool:

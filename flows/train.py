@@ -25,6 +25,7 @@ from flows.parameters import TrainSettings
 from flows.prefect_view import PrefectRunView, one_line
 from flows.secrets import secret_overrides
 from flows.session import TrainingInputs, TrainingSession, every
+from flows.tracking import provenance_tags
 from rl_core.input_checks import check_run_inputs
 from rl_core.ppo_step import run_ppo_step
 
@@ -83,7 +84,8 @@ def train(
     the run summary.
 
     A failed run's state message is the cause in one line (the full traceback is in the flow run's logs)."""
-    config = compose_config(training_overrides(settings, overrides))  # a wrong key or type fails here
+    composed_from = training_overrides(settings, overrides)
+    config = compose_config(composed_from)  # a wrong key or type fails here
     view = PrefectRunView()
     view.log(
         f"ppoflow: {config.algorithm.adv_estimator} on "
@@ -91,7 +93,7 @@ def train(
         f"{config.trainer.total_training_steps or 'all'} steps (at most {config.trainer.total_epochs} epochs)"
     )
     try:
-        return run_training(config, tags)
+        return run_training(config, {**provenance_tags(composed_from), **(tags or {})})
     except Exception as error:
         view.failure(error)
         return Failed(message=one_line(error), data=error)

@@ -66,6 +66,10 @@ def test_grpo_three_steps(run_overrides, tmp_path):
     run = client.get_run(result["run_id"])
     assert run.data.params["algorithm.adv_estimator"] == "grpo" and run.info.status == "FINISHED"
     assert run.data.tags["checkpoint/latest"].endswith("global_step_3")
+    # what it was made from (flows.tracking.provenance_tags), in an experiment MLflow's UI opens as model training
+    assert "trainer.total_training_steps=3" in run.data.tags["ppoflow.overrides"].splitlines()
+    assert "mlflow.source.git.commit" in run.data.tags or not (ROOT / ".git").exists()
+    assert client.get_experiment(run.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
     artifacts = {a.path for a in client.list_artifacts(result["run_id"])}
     assert {"config", "model", "samples"} <= artifacts
     model_files = {Path(a.path).name for a in client.list_artifacts(result["run_id"], "model")}
