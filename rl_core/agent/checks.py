@@ -1,0 +1,43 @@
+"""The multi-turn settings' up-front check (``actor_rollout_ref.rollout.multi_turn``, :class:`rl_core.config.
+MultiTurnConfig`), run by :func:`rl_core.config.check_config` before anything starts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rl_core.agent.parsers import tag_argument
+from rl_core.agent.tools.registry import ToolConfigError, configured_tools
+from rl_core.config import ConfigValueError
+
+
+def check_multi_turn(rollout: Any) -> None:
+    """Refuse a multi-turn setting that cannot run: vLLM with tensor parallelism, a turn limit below 1, a
+    tool YAML that does not load, ``format=tag`` without exactly one tool of one required argument."""
+    settings = rollout.multi_turn
+    key = "actor_rollout_ref.rollout.multi_turn"
+    if not settings.enable:
+        return
+    if rollout.name == "vllm" and int(rollout.tensor_model_parallel_size) > 1:
+        raise ConfigValueError(
+            f"{key}.enable=true with rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size}: the "
+            "agent loop runs on each worker's own prompts, and vLLM's tensor-parallel ranks must send the same "
+            "requests; set actor_rollout_ref.rollout.tensor_model_parallel_size=1"
+        )
+    for limit in ("max_assistant_turns", "max_user_turns"):
+        value = settings[limit]
+        if value is not None and value < 1:
+            raise ConfigValueError(f"{key}.{limit}={value}: at least 1, or null for no limit")
+    try:
+        tools = configured_tools(settings)
+    except ToolConfigError as error:
+        raise ConfigValueError(f"{key}.tool_config_path: {error}") from None
+    if settings.format == "tag":
+        if len(tools) != 1:
+            raise ConfigValueError(
+                f"{key}.format=tag: a <call>TEXT</call> names no tool, so the run needs exactly one tool "
+                f"({len(tools)} in {key}.tool_config_path); use format=hermes for several"
+            )
+        try:
+            tag_argument(next(iter(tools.values())).tool_schema)
+        except ValueError as error:
+            raise ConfigValueError(f"{key}.format=tag: {error}") from None
