@@ -67,7 +67,3 @@ class ToolExecutor:
                 text = f"error: {tool.name} timed out after {self.timeout_s:g} s"
                 return CallResult(text, "timeout", time.perf_counter() - started)
             return CallResult(response.text, None if ok else "exception", time.perf_counter() - started)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=5)
