@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 from mlflow.tracking import MlflowClient  # noqa: E402
 
 from tests.ui.test_store import log_long_run  # noqa: E402
-from ui.store import CURVES, RunStore  # noqa: E402
+from ui.store import DEFAULT_CURVES, RunStore  # noqa: E402
 
 
 def main() -> None:
@@ -29,7 +29,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10_000)
     parser.add_argument("--metrics", type=int, default=50)
     args = parser.parse_args()
-    named = [keys[0] for keys in CURVES.values() if keys] + [f"timing_s/stage{i}" for i in range(8)]
+    named = [keys[0] for keys in DEFAULT_CURVES.values() if keys] + [f"timing_s/stage{i}" for i in range(8)]
     names = named + [f"extra/metric{i}" for i in range(max(0, args.metrics - len(named)))]
     with tempfile.TemporaryDirectory() as folder:
         uri = f"sqlite:///{folder}/mlflow.db"

@@ -127,7 +127,9 @@ def run_evaluation(
             run_name=f"{client.get_run(source_run_id).info.run_name}-eval",
         )
         view = PrefectRunView()
-        view.link_run(mlflow_run_url(tracker.uri, tracker.experiment_id, tracker.run_id), tracker.run_id, actor_folder)
+        view.link_run(
+            mlflow_run_url(tracker.uri, tracker.experiment_id, tracker.run_id), tracker.uri, tracker.run_id, actor_folder
+        )
         workers = None
         try:
             connect(config.trainer.ray.address, num_cpus=config.trainer.ray.num_cpus)

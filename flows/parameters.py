@@ -36,6 +36,9 @@ FIELD_KEYS = {
     "rollout_n": "actor_rollout_ref.rollout.n",
     "learning_rate": "actor_rollout_ref.actor.optim.lr",
     "total_steps": "trainer.total_training_steps",
+    "max_response_length": "data.max_response_length",
+    "temperature": "actor_rollout_ref.rollout.temperature",
+    "kl_loss_coef": "actor_rollout_ref.actor.kl_loss_coef",
     "lora_rank": "actor_rollout_ref.model.lora_rank",
     "save_freq": "trainer.save_freq",
     "test_freq": "trainer.test_freq",
@@ -115,13 +118,31 @@ class TrainSettings(BaseModel):
         gt=0,
         description=f"training steps; {profile_note('total_steps')} (trainer.total_training_steps)",
     )
+    max_response_length: int | None = Field(
+        default("max_response_length"),
+        gt=0,
+        description=f"most tokens of a response; {profile_note('max_response_length')} (data.max_response_length)",
+    )
+    temperature: float = Field(
+        default("temperature"),
+        gt=0,
+        description="sampling temperature of the training rollouts (actor_rollout_ref.rollout.temperature)",
+    )
+    kl_loss_coef: float = Field(
+        default("kl_loss_coef"),
+        ge=0,
+        description="weight of the KL-to-reference loss, when actor.use_kl_loss is on (GRPO's way; the embedded demo "
+        "turns it on); the in-reward penalty's is algorithm.kl_ctrl.kl_coef, an override "
+        "(actor_rollout_ref.actor.kl_loss_coef)",
+    )
     lora_rank: int = Field(
         default("lora_rank"), ge=0, description="LoRA rank; 0 = full fine-tuning (actor_rollout_ref.model.lora_rank)"
     )
     save_freq: int = Field(
         default("save_freq"),
         ge=-1,
-        description="checkpoint every N steps and at the last; -1 = only at the last (trainer.save_freq)",
+        description="checkpoint every N steps; the last step's is always written (it holds the final model), so "
+        "-1 = that one only (trainer.save_freq)",
     )
     test_freq: int = Field(
         default("test_freq"),

@@ -9,6 +9,7 @@ clients then find the running server (it is a per-process singleton).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -25,6 +26,26 @@ def configure_prefect() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     for key, value in PREFECT_RETENTION.items():
         os.environ.setdefault(key, value)
+
+
+class _WithoutTraceback(logging.Filter):
+    """Prints a record's message without its traceback (the record went to Prefect's API, traceback included, before
+    it reached the console: the API's handlers sit on Prefect's own loggers, the console's on the root)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.exc_info, record.exc_text = None, None
+        return True
+
+
+def console_without_tracebacks() -> None:
+    """A failed task run prints one line on the console, like the command's own failure line (the traceback stays in
+    the task run's Logs tab in Prefect, and in the command's log file)."""
+    import prefect.main  # noqa: F401 (sets up Prefect's logging: the console handler on the root logger)
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, PrefectConsoleHandler):
+            handler.addFilter(_WithoutTraceback())
 
 
 STARTED: dict[str, object] = {}  # the temporary server this process started ("server") and since when ("since")

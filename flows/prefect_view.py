@@ -16,27 +16,43 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from prefect import runtime
-from prefect.artifacts import create_link_artifact, create_progress_artifact, update_progress_artifact
+from prefect.artifacts import (
+    create_link_artifact,
+    create_markdown_artifact,
+    create_progress_artifact,
+    update_progress_artifact,
+)
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, TaskRunFilter, TaskRunFilterStartTime
 from prefect.exceptions import MissingContextError
 from prefect.logging import get_run_logger
 from prefect.logging.loggers import PrefectLogAdapter
 
-DEFAULT_MLFLOW_UI_URL = "http://127.0.0.1:5000"
+from flows.secrets import redact_text
+
 PROGRESS_EVERY_S = 5.0  # the progress artifact is updated at most this often (each update is an API call)
 PRUNE_EVERY_STEPS = 50  # old task runs are deleted in batches of this many steps
 
 
-def mlflow_run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
-    """The run's page in the MLflow UI: the tracking server itself when it is one, else ``PPOFLOW_MLFLOW_UI_URL``
-    (default http://127.0.0.1:5000, where ``mlflow ui --backend-store-uri <store>`` serves a local store)."""
+def mlflow_run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str | None:
+    """The run's page in the MLflow UI: on the tracking server itself when it is one, else on
+    ``PPOFLOW_MLFLOW_UI_URL`` when it is set (an ``mlflow ui --backend-store-uri <store>`` serving a local store);
+    None when no UI serves the store (a link would not open)."""
     base = (
         tracking_uri
         if tracking_uri.startswith(("http://", "https://"))
-        else os.environ.get("PPOFLOW_MLFLOW_UI_URL", DEFAULT_MLFLOW_UI_URL)
+        else os.environ.get("PPOFLOW_MLFLOW_UI_URL")
     )
-    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}" if base else None
+
+
+def prefect_ui_url() -> str | None:
+    """The Prefect UI of a server that outlives this process (``ppoflow up``, PREFECT_API_URL), for links to a flow
+    run; None under the temporary server a command starts (gone when the command ends)."""
+    from prefect.settings import get_current_settings
+
+    settings = get_current_settings()
+    return settings.ui_url if settings.api.url else None
 
 
 def one_line(error: BaseException) -> str:
@@ -101,21 +117,25 @@ class PrefectRunView:
         if self.pruner is not None:
             self.pruner.close(timeout_s)
 
-    def link_run(self, mlflow_url: str, run_id: str, checkpoint_dir: str | Path) -> None:
+    def link_run(self, mlflow_url: str | None, tracking_uri: str, run_id: str, checkpoint_dir: str | Path) -> None:
+        """The flow run's artifacts: a link to the MLflow run when a UI serves it (else its id, its store and how to
+        open it), and the checkpoint folder as text (a browser does not open file:// links from a page)."""
         if not self.in_flow_run:
             return
-        create_link_artifact(
-            mlflow_url,
-            link_text=f"MLflow run {run_id}",
-            key="mlflow-run",
-            description="The training run in MLflow: metrics, config, samples, checkpoints.",
-        )
+        description = "The training run in MLflow: metrics, config, samples, checkpoints."
+        if mlflow_url:
+            create_link_artifact(mlflow_url, link_text=f"MLflow run {run_id}", key="mlflow-run", description=description)
+        else:
+            store = redact_text(tracking_uri)
+            create_markdown_artifact(
+                f"MLflow run `{run_id}` in `{store}`: no MLflow UI serves this store; open it with "
+                f"`mlflow ui --backend-store-uri {store}` (or `ppoflow ui`).",
+                key="mlflow-run",
+                description=description,
+            )
         folder = Path(checkpoint_dir).expanduser().resolve()
-        create_link_artifact(
-            folder.as_uri(),
-            link_text=str(folder),
-            key="checkpoints",
-            description="The run's step checkpoints (global_step_N, safetensors).",
+        create_markdown_artifact(
+            f"`{folder}`", key="checkpoints", description="The run's step checkpoints (global_step_N, safetensors)."
         )
 
     def progress(self, step: int, total: int, summary: str, force: bool = False) -> None:

@@ -28,7 +28,7 @@ from prefect import runtime
 from prefect.context import FlowRunContext
 from prefect.exceptions import TerminationSignal
 
-from flows.prefect_view import PrefectRunView, mlflow_run_url
+from flows.prefect_view import PrefectRunView, mlflow_run_url, prefect_ui_url
 from flows.resume import (
     ResumePoint,
     already_finished,
@@ -37,9 +37,9 @@ from flows.resume import (
     finished_result,
     workers_config_digest,
 )
-from flows.stages import prefect_stage_runner
+from flows.stages import StageRunner, run_phase
 from flows.step_report import console_line, samples_table, validation_summary
-from flows.tracking import RunTracker, mark_killed, tracking_uri
+from flows.tracking import PREFECT_FLOW_RUN_TAG, PREFECT_UI_TAG, RunTracker, mark_killed, tracking_uri
 from flows.workers import build_workers, kill_worker_group, reattach_workers, run_namespace, step_workers, weights_at
 from infra.cluster import connect, is_persistent
 from infra.worker_group import WorkerDiedError, WorkerGroup, WorkerTimeoutError
@@ -125,7 +125,7 @@ class TrainingSession:
         self.checkpoints = StepCheckpoints(config.trainer.default_local_dir, config.trainer.max_ckpt_to_keep)
         self.view = PrefectRunView(config.trainer.prefect_history_steps)
         self.timeout = config.trainer.worker_timeout_s
-        self.run_stage = prefect_stage_runner(config.trainer.stage_retries, retry_safe_stages(config))
+        self.run_stage = StageRunner(config.trainer.stage_retries, retry_safe_stages(config))
         self.group: WorkerGroup | None = None
         self.workers: StepWorkers | None = None
         self.tracker: RunTracker | None = None
@@ -150,7 +150,7 @@ class TrainingSession:
             self.folder_lock.release()
             raise
         try:
-            self._start(point)
+            run_phase("set-up", self._start, point)  # a task run: the Prefect graph starts here, not at step 1
         except BaseException as error:
             self.__exit__(type(error), error, error.__traceback__)
             raise
@@ -172,9 +172,15 @@ class TrainingSession:
         if self.folder_lock.previous:
             report_killed_controller(self.folder_lock.previous, tracker.run_id, self.checkpoints.root, log)
         if runtime.flow_run.id:  # the inspector links the MLflow run to its Prefect flow run, and the flow run to it
-            tracker.set_tags({"ppoflow.prefect_flow_run_id": runtime.flow_run.id})
+            prefect_ui = prefect_ui_url()  # a link only where the server outlives the run
+            tracker.set_tags(
+                {PREFECT_FLOW_RUN_TAG: runtime.flow_run.id, **({PREFECT_UI_TAG: prefect_ui} if prefect_ui else {})}
+            )
         self.view.link_run(
-            mlflow_run_url(tracker.uri, tracker.experiment_id, tracker.run_id), tracker.run_id, self.checkpoints.root
+            mlflow_run_url(tracker.uri, tracker.experiment_id, tracker.run_id),
+            tracker.uri,
+            tracker.run_id,
+            self.checkpoints.root,
         )
         connect(config.trainer.ray.address, num_cpus=config.trainer.ray.num_cpus)
         reuse_weights = self._get_workers(point)
@@ -233,6 +239,7 @@ class TrainingSession:
         """Step ``step`` runs inside: timed, and a dead or hung worker rebuilds the worker group and rewinds to the
         latest checkpoint (the loop then runs the steps after it again)."""
         self.view.step_started(step)
+        self.run_stage.step = step  # names the step's task runs
         self.step_started = time.perf_counter()
         try:
             yield
@@ -254,10 +261,19 @@ class TrainingSession:
                 self._restore(self.checkpoints.step_dir(latest))
 
     def validate(self) -> dict[str, float]:
-        """Greedy validation on the validation set (``actor_rollout_ref.rollout.val_kwargs``)."""
-        inputs = self.inputs
-        self.val_metrics = run_validation(self.config, self.workers, inputs.val_data, inputs.reward_manager)
-        return self.val_metrics
+        """Greedy validation on the validation set (``actor_rollout_ref.rollout.val_kwargs``), the task run
+        ``step-<step>/validate``: its metrics and its seconds (verl's ``timing_s/testing``)."""
+        inputs, started = self.inputs, time.perf_counter()
+        self.val_metrics = run_phase(
+            "validate",
+            run_validation,
+            self.config,
+            self.workers,
+            inputs.val_data,
+            inputs.reward_manager,
+            step=self.run_stage.step,
+        )
+        return {**self.val_metrics, "timing_s/testing": time.perf_counter() - started}
 
     def validate_before_training(self) -> None:
         """Step 0's validation (``trainer.val_before_train``), for a run that starts from scratch."""
@@ -295,6 +311,10 @@ class TrainingSession:
         self.view.progress(step, total, summary, force=step in (1, total))
 
     def save_checkpoint(self) -> Path:
+        """The step checkpoint of the current step (the task run ``step-<step>/save_checkpoint``)."""
+        return run_phase("save_checkpoint", self._save_checkpoint, step=self.progress.global_step)
+
+    def _save_checkpoint(self) -> Path:
         staging = self.checkpoints.staging_dir(self.progress.global_step)
         for role, part in CHECKPOINT_PARTS.items():
             if role in self.group.roles:

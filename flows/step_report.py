@@ -12,10 +12,13 @@ from rl_core.batch_fields import (
     MULTI_TURN,
     OLD_LOG_PROBS,
     PROMPTS,
+    RAW_PROMPT,
     REF_LOG_PROB,
     RESPONSE_MASK,
     RESPONSES,
+    REWARD_MODEL,
     TOKEN_LEVEL_SCORES,
+    UID,
 )
 
 
@@ -39,39 +42,84 @@ def console_line(step: int, total: int, metrics: dict[str, float], seconds: floa
     return line + (" | val " + val if val else "")
 
 
+def token_texts(tokenizer: Any, ids: list[int]) -> list[str]:
+    """The text of each token, such that their concatenation is the decoded sequence: a byte-level token that holds
+    part of a multi-byte character decodes alone to U+FFFD, so the tokens of one character are decoded together and
+    their text goes to the last of them (the earlier ones get ``""``)."""
+    texts: list[str] = []
+    pending: list[int] = []
+    for token in ids:
+        pending.append(token)
+        text = tokenizer.decode(pending)
+        if text.endswith("\ufffd") and len(pending) < 4:  # a UTF-8 character is at most 4 bytes
+            continue
+        texts += [""] * (len(pending) - 1) + [text]
+        pending = []
+    if pending:  # the sequence ends inside a character: what it has is shown as is
+        texts += [""] * (len(pending) - 1) + [tokenizer.decode(pending)]
+    return texts
+
+
+def sample_rows(batch: Batch, count: int) -> list[int]:
+    """About ``count`` rows spread over the batch, whole prompt groups (the responses of one prompt, GRPO's groups)
+    kept together: the first ``count // n`` of evenly spaced groups' rows, in batch order."""
+    groups: dict[Any, list[int]] = {}
+    for row, uid in enumerate(batch.non_tensors[UID] if UID in batch.non_tensors else range(len(batch))):
+        groups.setdefault(uid, []).append(row)
+    members = list(groups.values())
+    size = max(len(rows) for rows in members)
+    wanted = max(1, count // size)
+    chosen = members[:: max(1, len(members) // wanted)][:wanted]
+    return [row for rows in chosen for row in rows][:count]
+
+
+def question_text(raw_prompt: Any) -> str:
+    """The prompt without its chat template: the last user message of a chat prompt, or the prompt text."""
+    if isinstance(raw_prompt, str):
+        return raw_prompt
+    users = [m.get("content", "") for m in raw_prompt if isinstance(m, dict) and m.get("role") == "user"]
+    return str(users[-1]) if users else ""
+
+
 def samples_table(batch: Batch, tokenizer: Any, count: int) -> dict[str, list]:
-    """``count`` rollout samples spread over the batch: prompt, response, score, advantage, and per response token its
-    text, advantage and (with a reference policy) KL estimate ``old_log_prob - ref_log_prob`` (the inspector colours
-    tokens by them); for multi-turn rollouts also whether each token is the policy's (``token_from_policy``: 0 on tool
-    answers) and each sample's ``tool_calls``."""
-    rows = list(range(0, len(batch), max(1, len(batch) // count)))[:count]
-    tensors = batch.tensors
+    """About ``count`` rollout samples, whole prompt groups (:func:`sample_rows`): the prompt and response as the model
+    saw them, the question and the response without the chat template (``question``, ``response_text``), the group
+    (``uid``), ``ground_truth``, ``response_length``, score, advantage, and per response token its text
+    (:func:`token_texts`), advantage and (with a reference policy) KL estimate ``old_log_prob - ref_log_prob`` (the
+    inspector colours tokens by them); for multi-turn rollouts also whether each token is the policy's
+    (``token_from_policy``: 0 on tool answers) and each sample's ``tool_calls``."""
+    rows = sample_rows(batch, count)
+    tensors, objects = batch.tensors, batch.non_tensors
     lengths = response_ends(tensors[RESPONSE_MASK]).tolist()
     prompt_width = tensors[PROMPTS].shape[1]
+    prompts = [tensors[PROMPTS][r][tensors[ATTENTION_MASK][r, :prompt_width].bool()] for r in rows]
+    responses = [tensors[RESPONSES][r, : lengths[r]] for r in rows]
+    truths = [rm.get("ground_truth") if isinstance(rm, dict) else None for rm in objects.get(REWARD_MODEL, [])]
     table = {
-        "prompt": [
-            tokenizer.decode(
-                tensors[PROMPTS][r][tensors[ATTENTION_MASK][r, :prompt_width].bool()], skip_special_tokens=False
-            )
-            for r in rows
+        "uid": [str(objects[UID][r]) if UID in objects else str(r) for r in rows],
+        "prompt": [tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts],
+        "question": [
+            question_text(objects[RAW_PROMPT][r]) if RAW_PROMPT in objects else tokenizer.decode(ids, True)
+            for r, ids in zip(rows, prompts)
         ],
-        "response": [tokenizer.decode(tensors[RESPONSES][r, : lengths[r]], skip_special_tokens=False) for r in rows],
+        "ground_truth": [None if not truths or truths[r] is None else str(truths[r]) for r in rows],
+        "response": [tokenizer.decode(ids, skip_special_tokens=False) for ids in responses],
+        "response_text": [tokenizer.decode(ids, skip_special_tokens=True) for ids in responses],
+        "response_length": [int(tensors[RESPONSE_MASK][r].sum()) for r in rows],
         "score": [float(tensors[TOKEN_LEVEL_SCORES][r].sum()) for r in rows],
         "advantage": [float(tensors[ADVANTAGES][r, 0]) for r in rows],
-        "response_tokens": [
-            [tokenizer.decode([token]) for token in tensors[RESPONSES][r, : lengths[r]].tolist()] for r in rows
-        ],
+        "response_tokens": [token_texts(tokenizer, ids.tolist()) for ids in responses],
         "token_advantages": [tensors[ADVANTAGES][r, : lengths[r]].tolist() for r in rows],
     }
     if REF_LOG_PROB in tensors and OLD_LOG_PROBS in tensors:
         kl = tensors[OLD_LOG_PROBS] - tensors[REF_LOG_PROB]
         table["token_kl"] = [kl[r, : lengths[r]].tolist() for r in rows]
-    if MULTI_TURN in batch.non_tensors:  # tool answers inside the response: the inspector greys them, lists the calls
+    if MULTI_TURN in objects:  # tool answers inside the response: the inspector greys them, lists the calls
         table["token_from_policy"] = [tensors[RESPONSE_MASK][r, : lengths[r]].tolist() for r in rows]
         table["tool_calls"] = [
             [
                 {key: call[key] for key in ("name", "arguments", "error", "answer", "latency_s")}
-                for call in batch.non_tensors[MULTI_TURN][r]["tool_calls"]
+                for call in objects[MULTI_TURN][r]["tool_calls"]
             ]
             for r in rows
         ]

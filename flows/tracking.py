@@ -38,6 +38,8 @@ CONFIG_ARTIFACT = "config/ppo_trainer.yaml"  # the config the run trains under (
 INVALID_METRIC_CHARS = re.compile(r"[^A-Za-z0-9_\-. :/]")
 # MLflow 3's UI opens an experiment without this tag in its GenAI view when the runs log tables (our samples)
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+PREFECT_FLOW_RUN_TAG = "ppoflow.prefect_flow_run_id"  # the run's Prefect flow run
+PREFECT_UI_TAG = "ppoflow.prefect_ui_url"  # the Prefect UI that shows it, when its server outlives the run
 CODE_ROOT = Path(__file__).resolve().parent.parent  # ppoflow's code: its git commit is recorded on each run
 
 

@@ -25,6 +25,7 @@ from flows.parameters import TrainSettings
 from flows.prefect_view import PrefectRunView, one_line
 from flows.secrets import secret_overrides
 from flows.session import TrainingInputs, TrainingSession, every
+from flows.stages import run_phase
 from flows.tracking import provenance_tags
 from rl_core.input_checks import check_run_inputs
 from rl_core.ppo_step import run_ppo_step
@@ -34,9 +35,7 @@ def run_training(config: DictConfig, tags: dict[str, str] | None = None) -> dict
     """Everything the flow does after composing the config (callable without Prefect's decorator, as tests do);
     ``tags`` go on a new MLflow run. Returns the run's summary."""
     # 1. Inputs. A bad one fails here, before any run exists (the datasets check every prompt).
-    apply_embedded_defaults(config)
-    check_run_inputs(config, tokenize=False)
-    inputs = TrainingInputs.load(config)
+    inputs = run_phase("load-inputs", load_inputs, config)
 
     # 2. The session: the folder, the MLflow run and the workers, resumed from the latest checkpoint.
     with TrainingSession(config, inputs, tags) as session:
@@ -65,6 +64,14 @@ def run_training(config: DictConfig, tags: dict[str, str] | None = None) -> dict
         # 4. The final policy.
         session.finish()
         return session.result()
+
+
+def load_inputs(config: DictConfig) -> TrainingInputs:
+    """The demo's assets when no model is named (built once, cached), then the model's tokenizer, the data and the
+    reward, each checked."""
+    apply_embedded_defaults(config)
+    check_run_inputs(config, tokenize=False)
+    return TrainingInputs.load(config)
 
 
 def training_overrides(settings: TrainSettings | None, overrides: list[str] | None) -> list[str]:

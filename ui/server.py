@@ -10,6 +10,7 @@ name to 127.0.0.1 cannot read the store. What the API echoes of the tracking URI
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from flows.secrets import redact_text
 from ui.store import RunStore
 
 STATIC = Path(__file__).resolve().parent / "static"
+LINK_CHECK_EVERY_S = 30.0
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1", "[::1]")
 SECURITY_HEADERS = {
     "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
@@ -60,6 +62,16 @@ class SecurityHeaders(BaseHTTPMiddleware):
         return response
 
 
+def answers(url: str, timeout_s: float = 0.5) -> bool:
+    """Whether something serves ``url`` (any HTTP answer below 500): the page shows only links that open."""
+    import httpx
+
+    try:
+        return httpx.get(url, timeout=timeout_s).status_code < 500
+    except httpx.HTTPError:
+        return False
+
+
 def create_app(
     tracking_uri: str,
     links: Links | None = None,
@@ -69,11 +81,16 @@ def create_app(
     """The app over the store at ``tracking_uri``; requests must name it by a loopback name or one of
     ``allowed_hosts``."""
     store = RunStore(tracking_uri)
-    settings = {
-        **asdict(links or Links.from_environment()),
-        "default_experiment": default_experiment,
-        "tracking_uri": redact_text(tracking_uri),
-    }
+    links = links or Links.from_environment()
+    checked: dict[str, Any] = {"at": -LINK_CHECK_EVERY_S}
+
+    def settings(request: Request) -> dict[str, Any]:
+        """The page's settings; a link to a UI that does not answer (checked every LINK_CHECK_EVERY_S) is null."""
+        if time.monotonic() - checked["at"] >= LINK_CHECK_EVERY_S:
+            checked.update({name: url if answers(url) else None for name, url in asdict(links).items()})
+            checked["at"] = time.monotonic()
+        found = {name: checked[name] for name in asdict(links)}
+        return {**found, "default_experiment": default_experiment, "tracking_uri": redact_text(tracking_uri)}
 
     def run_ids(request: Request) -> list[str]:
         ids = request.query_params.getlist("run")
@@ -94,7 +111,7 @@ def create_app(
 
     routes = [
         Route("/", lambda request: FileResponse(STATIC / "index.html"), methods=["GET"]),
-        Route("/api/settings", api(lambda request: settings), methods=["GET"]),
+        Route("/api/settings", api(settings), methods=["GET"]),
         Route("/api/experiments", api(lambda request: store.experiments()), methods=["GET"]),
         Route(
             "/api/runs",
@@ -103,9 +120,16 @@ def create_app(
         ),
         Route(
             "/api/curves",
-            api(lambda request: store.curves(run_ids(request), int(request.query_params.get("max_points", 1000)))),
+            api(
+                lambda request: store.curves(
+                    run_ids(request),
+                    request.query_params.getlist("key"),
+                    int(request.query_params.get("max_points", 1000)),
+                )
+            ),
             methods=["GET"],
         ),
+        Route("/api/metric-keys", api(lambda request: store.metric_keys(run_ids(request))), methods=["GET"]),
         Route("/api/timeline", api(lambda request: store.timeline(run_ids(request)[0])), methods=["GET"]),
         Route("/api/sample-steps", api(lambda request: store.sample_steps(run_ids(request)[0])), methods=["GET"]),
         Route(

@@ -17,31 +17,43 @@ from typing import Any
 
 from mlflow.tracking import MlflowClient
 
+from flows.tracking import PREFECT_FLOW_RUN_TAG, PREFECT_UI_TAG
+from rl_core.ppo_step import TIMING_NAMES
+
 STEP_MARKER = "training/global_step"  # flows.tracking logs it once per step
 SCORE = "critic/score/mean"
-# the curves the page overlays: name -> the metrics that make it (the first one a run has)
-CURVES = {
+# the curves the page opens with, before the user picks others: name -> the metrics that make it (the first one a run
+# has; none listed: every val-core/<source>/acc/mean_at_<n> of the run, see default_curve_keys)
+DEFAULT_CURVES = {
     "score": ("critic/score/mean",),
-    "validation accuracy": (),  # every val-core/<source>/acc/mean_at_<n> of the run (see curve_keys)
+    "validation accuracy": (),
     "KL": ("actor/kl_loss", "actor/reward_kl_penalty", "actor/ppo_kl"),
     "entropy": ("actor/entropy",),
     "response length": ("response_length/mean",),
     "throughput (tokens/s)": ("perf/throughput",),
 }
+# the step's stages in the order they run (verl's timing names), then validation; the timeline stacks these only (a
+# timing inside a stage, like timing_s/tools inside generation, would be counted twice)
+STAGE_ORDER = (*TIMING_NAMES.values(), "testing")
+STEP_TIME = "perf/time_per_step"
 SAMPLES_FOLDER = "samples"
 ENDED = ("FINISHED", "FAILED", "KILLED")
+PARENT_TAG = "mlflow.parentRunId"  # a sweep's children are nested under its parent run
 
 
-def downsample(steps: list[int], values: list[float], max_points: int) -> tuple[list[int], list[float]]:
-    """At most ``max_points`` points of a curve sorted by step: the points are cut into ``max_points // 2`` buckets of
-    consecutive steps and each bucket keeps its minimum and its maximum (in step order). Short curves are returned
-    unchanged."""
+def is_validation_accuracy(key: str) -> bool:
+    return key.startswith("val-core/") and ("/acc/mean_at_" in key or "/acc/mean@" in key)
+
+
+def downsample_index(steps: list[int], values: list[float], max_points: int) -> list[int]:
+    """The indices of at most ``max_points`` points of a curve sorted by step: the points are cut into
+    ``max_points // 2`` buckets of consecutive steps and each bucket keeps its minimum and its maximum (in step order).
+    A short curve keeps every point."""
     if len(steps) <= max_points:
-        return list(steps), list(values)
+        return list(range(len(steps)))
     buckets = max(1, max_points // 2)
     size = len(steps) / buckets
-    out_steps: list[int] = []
-    out_values: list[float] = []
+    kept: list[int] = []
     for bucket in range(buckets):
         start, end = int(bucket * size), int((bucket + 1) * size)
         if start >= end:
@@ -49,10 +61,8 @@ def downsample(steps: list[int], values: list[float], max_points: int) -> tuple[
         indices = range(start, end)
         low = min(indices, key=lambda i: values[i])
         high = max(indices, key=lambda i: values[i])
-        for index in sorted({low, high}):
-            out_steps.append(steps[index])
-            out_values.append(values[index])
-    return out_steps, out_values
+        kept += sorted({low, high})
+    return kept
 
 
 class RunStore:
@@ -80,12 +90,12 @@ class RunStore:
                     self._cache.popitem(last=False)
         return value
 
-    def _points(self, run_id: str, key: str, ended: bool) -> list[tuple[int, float]]:
-        """The metric's (step, value) history in step order."""
+    def _points(self, run_id: str, key: str, ended: bool) -> list[tuple[int, float, int]]:
+        """The metric's (step, value, timestamp in ms) history in step order."""
 
-        def load() -> list[tuple[int, float]]:
+        def load() -> list[tuple[int, float, int]]:
             history = sorted(self.client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp))
-            return [(m.step, m.value) for m in history]
+            return [(m.step, m.value, m.timestamp) for m in history]
 
         return self._cached((run_id, key), load, keep=ended)
 
@@ -94,63 +104,101 @@ class RunStore:
         return [{"id": e.experiment_id, "name": e.name} for e in self.client.search_experiments()]
 
     def runs(self, experiment: str) -> list[dict[str, Any]]:
-        """The experiment's runs, newest first: status, algorithm, model, step, latest score."""
+        """The experiment's runs, newest first: status, algorithm, model, step, latest training score and validation
+        accuracy (the first ``val-core`` accuracy key), start and end times (ms), the sweep parent's id and the
+        Prefect flow run's page when its server is still there (``ppoflow.prefect_ui_url``)."""
         found = self.client.get_experiment_by_name(experiment) or self.client.get_experiment(experiment)
         runs = self.client.search_runs([found.experiment_id], order_by=["attributes.start_time DESC"], max_results=500)
-        return [
-            {
-                "run_id": run.info.run_id,
-                "name": run.info.run_name,
-                "status": run.info.status,
-                "algorithm": run.data.params.get("algorithm.adv_estimator", ""),
-                "model": run.data.params.get("actor_rollout_ref.model.path", ""),
-                "step": int(run.data.metrics.get(STEP_MARKER, 0)),
-                "score": run.data.metrics.get(SCORE),
-                "start_time": run.info.start_time,
-                "experiment_id": run.info.experiment_id,
-                "prefect_flow_run_id": run.data.tags.get("ppoflow.prefect_flow_run_id"),
-            }
-            for run in runs
-        ]
+        rows = []
+        for run in runs:
+            metrics, tags = run.data.metrics, run.data.tags
+            validation = sorted(k for k in metrics if is_validation_accuracy(k))
+            prefect_ui, flow_run = tags.get(PREFECT_UI_TAG), tags.get(PREFECT_FLOW_RUN_TAG)
+            rows.append(
+                {
+                    "run_id": run.info.run_id,
+                    "name": run.info.run_name,
+                    "status": run.info.status,
+                    "algorithm": run.data.params.get("algorithm.adv_estimator", ""),
+                    "model": run.data.params.get("actor_rollout_ref.model.path", ""),
+                    "step": int(metrics.get(STEP_MARKER, 0)),
+                    "score": metrics.get(SCORE),
+                    "validation": metrics[validation[0]] if validation else None,
+                    "validation_key": validation[0] if validation else None,
+                    "start_time": run.info.start_time,
+                    "end_time": run.info.end_time,
+                    "experiment_id": run.info.experiment_id,
+                    "parent_run_id": tags.get(PARENT_TAG),
+                    "prefect_url": f"{prefect_ui}/runs/flow-run/{flow_run}" if prefect_ui and flow_run else None,
+                }
+            )
+        return rows
 
     # ------------------------------------------------------------------ curves
-    def curve_keys(self, run: Any) -> dict[str, list[str]]:
-        """For each curve of :data:`CURVES`, the metric keys the MLflow ``run`` has."""
-        metrics = run.data.metrics
-        keys: dict[str, list[str]] = {}
-        for name, candidates in CURVES.items():
-            if name == "validation accuracy":
-                keys[name] = sorted(k for k in metrics if k.startswith("val-core/") and "/acc/mean_at_" in k)
-            else:
-                keys[name] = [k for k in candidates if k in metrics][:1]
-        return keys
+    def metric_keys(self, run_ids: list[str]) -> list[str]:
+        """Every metric key the runs logged, sorted (the page's picker groups them by their prefix)."""
+        return sorted({key for run_id in run_ids for key in self.client.get_run(run_id).data.metrics})
 
-    def curves(self, run_ids: list[str], max_points: int = 1000) -> dict[str, Any]:
-        """``{curve name: [{run_id, key, steps, values}, ...]}`` for the selected runs."""
-        out: dict[str, list] = {name: [] for name in CURVES}
+    def default_curve_keys(self, run: Any) -> dict[str, list[str]]:
+        """For each curve of :data:`DEFAULT_CURVES`, the metric keys the MLflow ``run`` has."""
+        metrics = run.data.metrics
+        return {
+            name: sorted(k for k in metrics if is_validation_accuracy(k))
+            if not candidates
+            else [k for k in candidates if k in metrics][:1]
+            for name, candidates in DEFAULT_CURVES.items()
+        }
+
+    def curves(self, run_ids: list[str], keys: list[str] | None = None, max_points: int = 1000) -> dict[str, Any]:
+        """``{curve name: [{run_id, key, steps, values, times, start_time}, ...]}`` for the selected runs: one curve
+        per metric of ``keys`` (named by the key), or the :data:`DEFAULT_CURVES`. ``times`` are the points' wall
+        clock (ms), ``start_time`` the run's, for the page's wall-time and relative x-axes."""
+        out: dict[str, list] = {key: [] for key in keys} if keys else {name: [] for name in DEFAULT_CURVES}
         for run_id in run_ids:
             run = self.client.get_run(run_id)
-            for name, keys in self.curve_keys(run).items():
-                for key in keys:
+            wanted = {key: [key] for key in keys} if keys else self.default_curve_keys(run)
+            for name, metric_keys in wanted.items():
+                for key in metric_keys:
+                    if key not in run.data.metrics:
+                        continue
                     points = self._points(run_id, key, run.info.status in ENDED)
-                    steps, values = downsample([p[0] for p in points], [p[1] for p in points], max_points)
-                    out[name].append({"run_id": run_id, "key": key, "steps": steps, "values": values})
+                    index = downsample_index([p[0] for p in points], [p[1] for p in points], max_points)
+                    out[name].append(
+                        {
+                            "run_id": run_id,
+                            "key": key,
+                            "steps": [points[i][0] for i in index],
+                            "values": [points[i][1] for i in index],
+                            "times": [points[i][2] for i in index],
+                            "start_time": run.info.start_time,
+                        }
+                    )
         return out
 
     def timeline(self, run_id: str, max_points: int = 500) -> dict[str, Any]:
-        """Seconds per stage per step (every ``timing_s/*`` metric), on one shared step axis."""
+        """Seconds per stage per step on one shared step axis: the stages of :data:`STAGE_ORDER` the run logged
+        (``timing_s/<stage>``), in the order they run, the step's wall time ``perf/time_per_step`` (``total``) and
+        what the stages leave of it (``overhead``: the controller, Prefect, logging; never below 0)."""
         run = self.client.get_run(run_id)
-        keys = sorted(k for k in run.data.metrics if k.startswith("timing_s/"))
-        histories = {k: dict(self._points(run_id, k, run.info.status in ENDED)) for k in keys}
-        steps = sorted({step for history in histories.values() for step in history})
+        ended = run.info.status in ENDED
+        stages = [stage for stage in STAGE_ORDER if f"timing_s/{stage}" in run.data.metrics]
+        histories = {stage: {p[0]: p[1] for p in self._points(run_id, f"timing_s/{stage}", ended)} for stage in stages}
+        totals = {p[0]: p[1] for p in self._points(run_id, STEP_TIME, ended)} if STEP_TIME in run.data.metrics else {}
+        steps = sorted({step for history in histories.values() for step in history if step > 0})
         if len(steps) > max_points:  # every n-th step: stacked bars need the same steps in every series
             stride = -(-len(steps) // max_points)
             steps = steps[::stride]
+        values = {stage: [histories[stage].get(s, 0.0) for s in steps] for stage in stages}
+        total = [totals.get(s) for s in steps]
+        overhead = [
+            None if t is None else max(0.0, t - sum(values[stage][i] for stage in stages)) for i, t in enumerate(total)
+        ]
         return {
+            "run_id": run_id,
             "steps": steps,
-            "stages": [
-                {"stage": k[len("timing_s/") :], "values": [histories[k].get(s, 0.0) for s in steps]} for k in keys
-            ],
+            "stages": [{"stage": stage, "values": values[stage]} for stage in stages],
+            "total": total,
+            "overhead": overhead,
         }
 
     # ------------------------------------------------------------------ rollout samples

@@ -11,7 +11,12 @@ import time
 import traceback
 
 from flows.cli.stack_commands import use_stack
-from flows.prefect_server import configure_prefect, start_temporary_server, stop_temporary_server
+from flows.prefect_server import (
+    configure_prefect,
+    console_without_tracebacks,
+    start_temporary_server,
+    stop_temporary_server,
+)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -158,6 +163,8 @@ def run_flow_command(args: argparse.Namespace) -> int:
     from infra import watchdog
 
     watchdog.start()
+    if not args.verbose:
+        console_without_tracebacks()
     received = _stop_on_signals()
     try:
         code = args.flow_command(args)

@@ -217,7 +217,7 @@ def test_a_long_run_keeps_only_its_recent_task_runs_in_prefect(
     def generate_starts() -> list:
         with get_client(sync_client=True) as client:
             runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-        return sorted(run.start_time for run in runs if run.name.startswith("generate"))
+        return sorted(run.start_time for run in runs if run.name.endswith("/generate"))
 
     # at step 8 the task runs started before step 6 were deleted; Prefect records task runs from their events a little
     # later, so one that was not recorded yet when its batch went can be left (the next batch takes it, in a long run)

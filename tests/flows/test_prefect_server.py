@@ -12,14 +12,14 @@ MANY_TASKS = """
 import sys
 from prefect import flow
 from flows.prefect_server import configure_prefect, start_temporary_server, stop_temporary_server
-from flows.stages import TASK_RUNS, prefect_stage_runner
+from flows.stages import TASK_RUNS, StageRunner
 
 def stage(i):
     return i
 
 @flow
 def many(n):
-    run_stage = prefect_stage_runner(retries=0)
+    run_stage = StageRunner(retries=0)
     return sum(run_stage("stage", stage, i) for i in range(n))
 
 configure_prefect()
@@ -40,4 +40,6 @@ def test_the_temporary_server_stops_after_recording_every_task_run(tmp_path):
     assert done.returncode == 0 and "Traceback" not in output and " ERROR " not in output, output[-3000:]
     with sqlite3.connect(tmp_path / "prefect.db") as db:
         states = dict(db.execute("select state_type, count(*) from task_run group by state_type").fetchall())
+        names = {name for (name,) in db.execute("select distinct name from task_run")}
     assert states == {"COMPLETED": 200}
+    assert names == {"step-0/stage"}  # named by the runner's step, read when each task run starts

@@ -1,6 +1,6 @@
 """The stage runner's Prefect tasks: one per stage, retries only where a re-run gives the same result."""
 
-from flows.stages import prefect_stage_runner, retryable, stage_task
+from flows.stages import StageRunner, retryable, stage_task
 from infra.worker_group import WorkerDiedError, WorkerTimeoutError
 from rl_core import ppo_step
 from rl_core.ppo_step import IDEMPOTENT_STAGES, TIMING_NAMES
@@ -17,8 +17,11 @@ def test_one_task_per_stage_and_retries_only_for_idempotent_stages():
 
 def test_the_runner_runs_the_stage_function_it_is_given(prefect_api):
     """A patched or custom stage function is what runs as the stage's task (not the module's function of that name)."""
-    run_stage = prefect_stage_runner(retries=0)
+    run_stage = StageRunner(retries=0)
     assert run_stage("advantage", lambda x: ("custom", x), 3) == ("custom", 3)
+    custom = lambda x: ("custom", x)  # noqa: E731
+    run_stage.step = 12
+    assert run_stage("advantage", custom, 4) == ("custom", 4)
 
 
 def test_a_dead_or_timed_out_worker_is_not_retried_in_place():

@@ -50,6 +50,22 @@ VERL_NAMES = (
 )
 
 
+def flow_run_task_names(flow_run_id: str, last: str, timeout_s: float = 60) -> set[str]:
+    """The names of the flow run's task runs, once ``last`` is among them (Prefect records them from events, a little
+    after they ran)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with get_client(sync_client=True) as client:
+            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+        names = {run.name for run in runs}
+        if last in names or time.monotonic() > deadline:
+            return names
+        time.sleep(0.5)
+
+
 def test_grpo_three_steps(run_overrides, tmp_path):
     result = train(overrides=run_overrides("trainer.register_model_name=ppoflow-tiny"))
     assert result["step"] == 3 and Path(result["checkpoint_dir"]).name == "global_step_3"
@@ -70,6 +86,13 @@ def test_grpo_three_steps(run_overrides, tmp_path):
     assert "trainer.total_training_steps=3" in run.data.tags["ppoflow.overrides"].splitlines()
     assert "mlflow.source.git.commit" in run.data.tags or not (ROOT / ".git").exists()
     assert client.get_experiment(run.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
+    # the Prefect graph covers the run, its task runs named by step; validation's seconds are verl's timing_s/testing
+    assert sorted(history["timing_s/testing"]) == [0, 3]
+    assert run.data.tags["ppoflow.prefect_ui_url"].startswith("http://127.0.0.1")  # the harness's server: a live link
+    names = flow_run_task_names(run.data.tags["ppoflow.prefect_flow_run_id"], "step-3/save_checkpoint")
+    assert {"load-inputs", "set-up", "step-0/validate", "step-1/generate", "step-3/update_actor", "step-3/validate"} <= (
+        names
+    )
     artifacts = {a.path for a in client.list_artifacts(result["run_id"])}
     assert {"config", "model", "samples"} <= artifacts
     model_files = {Path(a.path).name for a in client.list_artifacts(result["run_id"], "model")}

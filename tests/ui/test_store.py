@@ -6,7 +6,7 @@ import pytest
 from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
-from ui.store import RunStore, downsample
+from ui.store import RunStore, downsample_index
 
 
 def log_long_run(tracking_uri, folder, steps, names):
@@ -21,9 +21,10 @@ def log_long_run(tracking_uri, folder, steps, names):
 
 
 def plain_downsample(steps, values, max_points):
-    """The rule restated as a plain loop: equal buckets of consecutive points, each keeps its min and its max."""
+    """The rule restated as a plain loop: equal buckets of consecutive points, each keeps its min and its max (their
+    indices)."""
     if len(steps) <= max_points:
-        return steps, values
+        return list(range(len(steps)))
     buckets = max_points // 2
     out = []
     for b in range(buckets):
@@ -40,7 +41,7 @@ def plain_downsample(steps, values, max_points):
             if values[i] > values[highest]:
                 highest = i
         out += sorted({lowest, highest})
-    return [steps[i] for i in out], [values[i] for i in out]
+    return out
 
 
 @pytest.mark.parametrize("length,max_points", [(10, 20), (1000, 100), (997, 64), (5, 4)])
@@ -48,9 +49,10 @@ def test_downsample_matches_the_plain_loop(length, max_points):
     rng = random.Random(length)
     steps = list(range(1, length + 1))
     values = [rng.gauss(0, 1) for _ in steps]
-    assert downsample(steps, values, max_points) == plain_downsample(steps, values, max_points)
-    kept_steps, kept_values = downsample(steps, values, max_points)
-    assert len(kept_steps) <= max(max_points, length if length <= max_points else 0)
+    kept = downsample_index(steps, values, max_points)
+    assert kept == plain_downsample(steps, values, max_points)
+    kept_values = [values[i] for i in kept]
+    assert len(kept) <= max(max_points, length if length <= max_points else 0)
     assert max(values) in kept_values and min(values) in kept_values  # spikes survive
 
 
@@ -60,7 +62,7 @@ def test_a_run_with_10000_steps_is_served_downsampled(tmp_path):
         f"sqlite:///{tmp_path}/mlflow.db",
         tmp_path,
         steps=10_000,
-        names=["critic/score/mean", "timing_s/gen", "timing_s/update_actor"],
+        names=["critic/score/mean", "timing_s/update_actor", "timing_s/gen", "timing_s/tools", "perf/time_per_step"],
     )
     store = RunStore(f"sqlite:///{tmp_path}/mlflow.db")
     curves = store.curves([run_id], max_points=1000)
@@ -68,7 +70,31 @@ def test_a_run_with_10000_steps_is_served_downsampled(tmp_path):
     (score,) = curves["score"]
     assert 500 < len(score["steps"]) <= 1000 and score["steps"] == sorted(score["steps"])
     assert max(score["values"]) == 96.0 and min(score["values"]) == 0.0
-    assert len(timeline["steps"]) <= 500 and [s["stage"] for s in timeline["stages"]] == ["gen", "update_actor"]
+    assert len(timeline["steps"]) <= 500 and len(timeline["total"]) == len(timeline["steps"])
+    # in the order they run; tools runs inside gen, so it is not stacked
+    assert [s["stage"] for s in timeline["stages"]] == ["gen", "update_actor"]
+
+
+def test_the_timeline_overhead_is_the_step_time_the_stages_leave(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("t", artifact_location=tmp_path.as_uri())).info.run_id
+    logged = {  # step -> (gen, reward, update_actor, testing, tools, time_per_step)
+        1: (0.5, 0.1, 1.0, None, 0.2, 2.0),
+        2: (0.4, 0.1, 0.9, 0.6, 0.1, 2.5),
+        3: (0.6, 0.2, 1.1, None, 0.0, 1.8),  # the stages took longer than the step's clock: no negative overhead
+    }
+    names = ("gen", "reward", "update_actor", "testing", "tools")
+    for step, values in logged.items():
+        for name, value in zip(names, values):
+            if value is not None:
+                client.log_metric(run_id, f"timing_s/{name}", value, step=step)
+        client.log_metric(run_id, "perf/time_per_step", values[-1], step=step)
+    timeline = RunStore(uri).timeline(run_id)
+    assert timeline["steps"] == [1, 2, 3] and timeline["total"] == [2.0, 2.5, 1.8]
+    assert [s["stage"] for s in timeline["stages"]] == ["gen", "reward", "update_actor", "testing"]
+    assert timeline["stages"][3]["values"] == [0.0, 0.6, 0.0]
+    assert timeline["overhead"] == pytest.approx([2.0 - 1.6, 2.5 - 2.0, 0.0])
 
 
 def test_a_running_run_shows_new_steps_and_an_ended_run_is_read_once(tmp_path):
