@@ -128,7 +128,10 @@ def run_evaluation(
         )
         view = PrefectRunView()
         view.link_run(
-            mlflow_run_url(tracker.uri, tracker.experiment_id, tracker.run_id), tracker.uri, tracker.run_id, actor_folder
+            mlflow_run_url(tracker.uri, tracker.experiment_id, tracker.run_id),
+            tracker.uri,
+            tracker.run_id,
+            actor_folder,
         )
         workers = None
         try:

@@ -38,11 +38,7 @@ def mlflow_run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str | 
     """The run's page in the MLflow UI: on the tracking server itself when it is one, else on
     ``PPOFLOW_MLFLOW_UI_URL`` when it is set (an ``mlflow ui --backend-store-uri <store>`` serving a local store);
     None when no UI serves the store (a link would not open)."""
-    base = (
-        tracking_uri
-        if tracking_uri.startswith(("http://", "https://"))
-        else os.environ.get("PPOFLOW_MLFLOW_UI_URL")
-    )
+    base = tracking_uri if tracking_uri.startswith(("http://", "https://")) else os.environ.get("PPOFLOW_MLFLOW_UI_URL")
     return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}" if base else None
 
 
@@ -122,16 +118,16 @@ class PrefectRunView:
         open it), and the checkpoint folder as text (a browser does not open file:// links from a page)."""
         if not self.in_flow_run:
             return
-        description = "The training run in MLflow: metrics, config, samples, checkpoints."
+        about = "The training run in MLflow: metrics, config, samples, checkpoints."
         if mlflow_url:
-            create_link_artifact(mlflow_url, link_text=f"MLflow run {run_id}", key="mlflow-run", description=description)
+            create_link_artifact(mlflow_url, link_text=f"MLflow run {run_id}", key="mlflow-run", description=about)
         else:
             store = redact_text(tracking_uri)
             create_markdown_artifact(
                 f"MLflow run `{run_id}` in `{store}`: no MLflow UI serves this store; open it with "
                 f"`mlflow ui --backend-store-uri {store}` (or `ppoflow ui`).",
                 key="mlflow-run",
-                description=description,
+                description=about,
             )
         folder = Path(checkpoint_dir).expanduser().resolve()
         create_markdown_artifact(

@@ -2,11 +2,10 @@
 :func:`rl_core.ppo_step.run_ppo_step`.
 
 Each stage function of ``rl_core.ppo_step`` becomes one task of the same name, so the Prefect UI shows one task run
-per stage per step, named by its step (``step-12/generate``, tagged ``step:12``), with the data dependencies between
-them (a stage's inputs are earlier stages' outputs). The run's other phases are tasks too (:func:`run_phase`:
-``load-inputs``, ``set-up``, ``step-12/validate``, ``step-12/save_checkpoint``), so the graph covers the whole run. The batch never
-crosses a persisted boundary (``NO_CACHE``, ``persist_result=False``): it stays in the flow process and Ray's object
-store.
+per stage per step, named by its step (``step-12/generate``), with the data dependencies between them (a stage's inputs
+are earlier stages' outputs). The run's other phases are tasks too (:func:`run_phase`: ``load-inputs``, ``set-up``,
+``step-12/validate``, ``step-12/save_checkpoint``), so the graph covers the whole run. The batch never crosses a
+persisted boundary (``NO_CACHE``, ``persist_result=False``): it stays in the flow process and Ray's object store.
 
 Idempotent stages (generation is seeded by the step; log-probs and values are pure functions of the weights) are
 retried on transient errors; updates are not (the flow recovers those from the last checkpoint instead), and a

@@ -495,8 +495,9 @@ def publish_comparison(
     parent.client.set_terminated(parent.run_id, status="FINISHED")
     if view.in_flow_run:
         parent_url = mlflow_run_url(parent.uri, parent.experiment_id, parent.run_id)
+        parent_line = f"[MLflow parent run]({parent_url})" if parent_url else f"MLflow parent run `{parent.run_id}`"
         create_markdown_artifact(
-            table + (f"\n[MLflow parent run]({parent_url})" if parent_url else f"\nMLflow parent run `{parent.run_id}`"),
+            f"{table}\n{parent_line}",
             key="sweep-comparison",
             description=f"sweep {name}: children best first by {chosen_metric}",
         )

@@ -58,8 +58,9 @@ def grpo_batch(tokenizer, prompts=6, n=4, width=5):
     }
     objects = {
         UID: [f"p{r // n}" for r in range(rows)],
-        RAW_PROMPT: [[{"role": "system", "content": "be brief"}, {"role": "user", "content": f"q{r // n}"}] for r in
-                     range(rows)],
+        RAW_PROMPT: [
+            [{"role": "system", "content": "be brief"}, {"role": "user", "content": f"q{r // n}"}] for r in range(rows)
+        ],
         REWARD_MODEL: [{"ground_truth": str(r // n)} for r in range(rows)],
     }
     return Batch(tensors, objects)

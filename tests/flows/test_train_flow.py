@@ -90,9 +90,8 @@ def test_grpo_three_steps(run_overrides, tmp_path):
     assert sorted(history["timing_s/testing"]) == [0, 3]
     assert run.data.tags["ppoflow.prefect_ui_url"].startswith("http://127.0.0.1")  # the harness's server: a live link
     names = flow_run_task_names(run.data.tags["ppoflow.prefect_flow_run_id"], "step-3/save_checkpoint")
-    assert {"load-inputs", "set-up", "step-0/validate", "step-1/generate", "step-3/update_actor", "step-3/validate"} <= (
-        names
-    )
+    phases = {"load-inputs", "set-up", "step-0/validate", "step-1/generate", "step-3/update_actor", "step-3/validate"}
+    assert phases <= names
     artifacts = {a.path for a in client.list_artifacts(result["run_id"])}
     assert {"config", "model", "samples"} <= artifacts
     model_files = {Path(a.path).name for a in client.list_artifacts(result["run_id"], "model")}
