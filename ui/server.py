@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
 from starlette.middleware.base import BaseHTTPMiddleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
@@ -101,7 +102,7 @@ def create_app(
     def api(handler):
         async def endpoint(request: Request) -> JSONResponse:
             try:
-                return JSONResponse(handler(request))
+                return JSONResponse(await run_in_threadpool(handler, request))  # reads block: off the event loop
             except LookupError as error:
                 return JSONResponse({"error": str(error)}, status_code=400)
             except Exception as error:  # an unknown run or experiment, an unreadable artifact: say so, do not crash

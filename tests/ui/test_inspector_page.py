@@ -1,7 +1,9 @@
 """The run inspector in a real headless Chromium (Debian's chromium + chromedriver, driven by Selenium), served by
 ui/server.py over an MLflow store that holds a real 3-step training run and a run with hostile strings."""
 
+import itertools
 import os
+import random
 import shutil
 import subprocess
 import threading
@@ -14,6 +16,7 @@ import uvicorn
 from mlflow.tracking import MlflowClient
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
@@ -55,9 +58,9 @@ def store(tmp_path_factory, demo_cache, ray_address, prefect_api):
 @pytest.fixture(scope="module")
 def server(store):
     port = free_port()
-    app = create_app(
-        store["uri"], Links("http://127.0.0.1:5000", "http://127.0.0.1:4200", "http://127.0.0.1:8265"), "ppoflow"
-    )
+    # the MLflow link points at a page that answers (this server), Prefect's and Ray's at ports nobody serves
+    dead = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    app = create_app(store["uri"], Links(f"http://127.0.0.1:{port}", *dead), "ppoflow")
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
@@ -87,7 +90,7 @@ def browser():
         "--no-sandbox",
         "--disable-gpu",
         "--disable-dev-shm-usage",
-        "--window-size=1400,2400",
+        "--window-size=1600,1000",
     ):
         options.add_argument(flag)
     chrome = webdriver.Chrome(service=Service(driver), options=options)
@@ -95,7 +98,8 @@ def browser():
     chrome.quit()
 
 
-def open_page(browser, server, select_runs=None):
+def open_page(browser, server, select_runs=None, width=1600):
+    browser.set_window_size(width, 1000)
     browser.get(server + "/")
     wait = WebDriverWait(browser, 30)
     wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, "#runs tbody tr"))
@@ -131,9 +135,19 @@ def test_the_run_list_shows_the_run(browser, server, store):
     cells = [cell.text for cell in row.find_elements(By.TAG_NAME, "td")]
     assert cells[1].endswith("inspected") and cells[2] == "FINISHED" and cells[3] == "grpo" and cells[5] == "3"
     assert "tiny-sft" in cells[4]
+    validation = (
+        MlflowClient(store["uri"]).get_run(store["run_id"]).data.metrics["val-core/ppoflow/addition/acc/mean_at_1"]
+    )
+    assert cells[7] == f"{validation:.3f}" and cells[8] and cells[9].endswith(" s")  # validation, start, duration
     assert row.find_element(By.LINK_TEXT, "MLflow").get_attribute("href").endswith(f"/runs/{store['run_id']}")
+    # the run's Prefect server (the tests' harness) is up: linked; the header's Prefect and Ray links do not answer
     assert "/runs/flow-run/" in row.find_element(By.LINK_TEXT, "Prefect").get_attribute("href")
-    assert browser.find_element(By.LINK_TEXT, "Ray dashboard").get_attribute("href").startswith("http://127.0.0.1:8265")
+    header = [a.text for a in browser.find_elements(By.CSS_SELECTOR, "#links a")]
+    assert header == ["MLflow"]
+    hostile = browser.find_element(By.CSS_SELECTOR, f"#runs tr[data-run-id='{store['hostile']}']")
+    assert hostile.find_elements(By.LINK_TEXT, "Prefect") == []  # no flow run recorded: no link
+    # the default selection: the newest run that has something to show
+    assert browser.find_element(By.TAG_NAME, "body").get_attribute("data-rendered") == store["hostile"]
 
 
 def test_the_curves_are_drawn(browser, server, store):
@@ -160,6 +174,34 @@ def test_the_timeline_shows_every_stage_that_ran(browser, server, store):
     legend = box.find_element(By.CLASS_NAME, "u-legend").text
     assert all(f"{stage} (s)" in legend for stage in stages), legend
     assert painted_pixels(browser, box.find_element(By.TAG_NAME, "canvas")) > 200
+    labels = [s["label"] for s in browser.execute_script("return arguments[0].uplot.series", box)[1:]]
+    ran = [f"{s} (s)" for s in ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "testing")]
+    assert labels == [*ran, "controller overhead (s)", "time per step (s)"]  # stacked in the order the stages run
+
+
+def test_the_timeline_hover_shows_each_stage_own_seconds(browser, server, store):
+    open_page(browser, server, select_runs={store["run_id"]})
+    metrics = MlflowClient(store["uri"])
+    box = browser.find_element(By.CSS_SELECTOR, "#timeline .chart")
+    for step in (1, 2):
+        shown = browser.execute_script(
+            "const u = arguments[0].uplot; u.setCursor({left: u.valToPos(arguments[1], 'x'), top: 10});"
+            "return [...arguments[0].querySelectorAll('.u-legend tr.u-series')].map("
+            "r => [r.querySelector('.u-label').textContent, r.querySelector('.u-value').textContent]);",
+            box,
+            step,
+        )
+        values = dict(shown)
+        assert values["step"] == str(step)
+        for label, value in values.items():
+            if label.endswith(" (s)") and label not in ("controller overhead (s)", "time per step (s)"):
+                key = "timing_s/" + label[: -len(" (s)")]
+                logged = {m.step: m.value for m in metrics.get_metric_history(store["run_id"], key)}.get(step, 0.0)
+                assert value == f"{logged:.3f}", (step, label)
+        logged_step = {m.step: m.value for m in metrics.get_metric_history(store["run_id"], "perf/time_per_step")}
+        assert values["time per step (s)"] == f"{logged_step[step]:.3f}"
+        ticks = browser.execute_script("return arguments[0].uplot.axes[0]._values", box)
+        assert all(t == "" or float(t).is_integer() for t in ticks), ticks  # whole steps only
 
 
 def test_the_rollout_browser_colours_tokens_and_filters(browser, server, store):
@@ -207,6 +249,142 @@ def test_two_runs_side_by_side_show_only_the_config_keys_that_differ(browser, se
         )
         == 3
     )
+
+
+def chart_boxes(browser):
+    return browser.execute_script(
+        "return [...document.querySelectorAll('#curves .chart, #timeline .chart')].map(c => { const r ="
+        " c.getBoundingClientRect(); const canvas = c.querySelector('canvas'); return {title: c.dataset.title, left:"
+        " r.left, right: r.right, top: r.top, bottom: r.bottom, canvas: canvas ? canvas.getBoundingClientRect().width"
+        " : null}; })"
+    )
+
+
+@pytest.mark.parametrize("width", [1600, 1000])
+def test_every_chart_fits_its_own_cell(browser, server, store, width):
+    open_page(browser, server, select_runs={store["run_id"], store["hostile"]}, width=width)
+    viewport = browser.execute_script("return document.documentElement.clientWidth")
+    boxes = chart_boxes(browser)
+    assert len(boxes) >= 8  # six curves and a timeline per run
+    for box in boxes:
+        assert box["right"] <= viewport, box
+        assert box["canvas"] is None or 0 < box["canvas"] <= box["right"] - box["left"] + 1, box  # None: a placeholder
+    for a, b in itertools.combinations(boxes, 2):  # no two charts overlap
+        apart = a["right"] <= b["left"] or b["right"] <= a["left"] or a["bottom"] <= b["top"] or b["bottom"] <= a["top"]
+        assert apart, (a, b)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    browser.set_window_size(width, browser.execute_script("return document.body.scrollHeight") + 100)
+    assert browser.save_screenshot(str(ARTIFACTS / f"ui-inspector-{width}.png"))
+
+
+def test_a_zoom_survives_a_refresh(browser, server, store):
+    open_page(browser, server, select_runs={store["run_id"]})
+    box = chart(browser, "score")
+    over = box.find_element(By.CLASS_NAME, "u-over")
+    width = over.size["width"]
+    ActionChains(browser).move_to_element_with_offset(over, -width // 4, 0).click_and_hold().move_by_offset(
+        width // 3, 0
+    ).release().perform()
+    zoomed = browser.execute_script("const x = arguments[0].uplot.scales.x; return [x.min, x.max]", box)
+    full = browser.execute_script("const d = arguments[0].uplot.data[0]; return [d[0], d[d.length - 1]]", box)
+    assert full[0] < zoomed[0] < zoomed[1] < full[1]
+    browser.execute_async_script("refreshSelection().then(arguments[arguments.length - 1])")  # a full redraw
+    assert chart(browser, "score") == box  # the same chart, given its data in place
+    assert browser.execute_script("const x = arguments[0].uplot.scales.x; return [x.min, x.max]", box) == zoomed
+
+
+def plain_ema(values, weight):
+    """TensorBoard's debiased EMA, as a loop over the points."""
+    out, mean = [], 0.0
+    for n, value in enumerate(values, start=1):
+        mean = weight * mean + (1 - weight) * value
+        out.append(mean / (1 - weight**n))
+    return out
+
+
+def test_smoothing_is_tensorboards_debiased_ema(browser, server, store):
+    open_page(browser, server)
+    rng = random.Random(0)
+    values = [rng.gauss(0, 1) for _ in range(50)]
+    for weight in (0.0, 0.6, 0.95):
+        smoothed = browser.execute_script("return ema(arguments[0], arguments[1])", values, weight)
+        assert smoothed == pytest.approx(plain_ema(values, weight) if weight else values, rel=1e-9)
+
+
+def test_any_logged_metric_can_be_charted(browser, server, store):
+    open_page(browser, server, select_runs={store["run_id"]})
+    browser.find_element(By.CSS_SELECTOR, "#metric-picker summary").click()
+    groups = [g.text for g in browser.find_elements(By.CSS_SELECTOR, "#metric-groups legend")]
+    assert any(g.startswith("actor (") for g in groups) and any(g.startswith("timing_s (") for g in groups)
+    browser.find_element(By.ID, "metric-search").send_keys("pg_loss")
+    browser.find_element(By.CSS_SELECTOR, "#metric-groups input[value='actor/pg_loss']").click()
+    WebDriverWait(browser, 30).until(lambda b: b.find_elements(By.CSS_SELECTOR, ".chart[data-title='actor/pg_loss']"))
+    assert [c.get_attribute("data-title") for c in browser.find_elements(By.CSS_SELECTOR, "#curves .chart")] == [
+        "actor/pg_loss"
+    ]
+    assert painted_pixels(browser, chart(browser, "actor/pg_loss").find_element(By.TAG_NAME, "canvas")) > 200
+    browser.find_element(By.ID, "metric-defaults").click()  # the choice is remembered: back to the six for the rest
+    WebDriverWait(browser, 30).until(lambda b: len(b.find_elements(By.CSS_SELECTOR, "#curves .chart")) == 6)
+
+
+def test_samples_group_by_prompt_sort_and_show_a_compact_view(browser, server, store):
+    open_page(browser, server, select_runs={store["run_id"]})
+    Select(browser.find_element(By.ID, "sample-step")).select_by_value("3")
+    groups = WebDriverWait(browser, 30).until(lambda b: b.find_elements(By.CSS_SELECTOR, "#samples .group"))
+    assert len(groups) == 4 and all(len(g.find_elements(By.CLASS_NAME, "sample")) == 4 for g in groups)  # n = 4
+    assert all("ground truth" in g.find_element(By.CLASS_NAME, "group-head").text for g in groups)
+    Select(browser.find_element(By.ID, "sample-sort")).select_by_value("advantage")
+    browser.execute_script("const c = document.getElementById('group-by-prompt'); c.click();")
+    metas = [m.text for m in browser.find_elements(By.CSS_SELECTOR, "#samples .sample .meta")]
+    advantages = [float(m.split("advantage ")[1].split(" ")[0]) for m in metas]
+    assert len(advantages) == 16 and advantages == sorted(advantages, reverse=True)
+    browser.execute_script("document.getElementById('compact').click();")
+    rows = browser.find_elements(By.CSS_SELECTOR, "#samples tr.compact-row")
+    assert len(rows) == 16
+    assert not any("<|im_start|>" in row.text for row in rows)  # the chat template is hidden
+    legend = browser.find_element(By.ID, "colour-legend").text
+    assert "uncoloured at 0" in legend
+    for box in ("compact", "group-by-prompt"):
+        browser.execute_script(f"document.getElementById('{box}').click();")
+    Select(browser.find_element(By.ID, "sample-sort")).select_by_value("batch")
+
+
+def test_a_token_with_zero_advantage_is_not_tinted(browser):
+    assert browser.execute_script("return tokenColour(0, 1, SCALES.advantage)").endswith(", 0.00)")
+    assert browser.execute_script("return tokenColour(-1, 1, SCALES.kl)") == "rgba(31, 119, 180, 0.75)"
+
+
+def test_an_empty_experiment_says_how_to_start_a_run(browser, server, store):
+    MlflowClient(store["uri"]).create_experiment("empty-one")
+    open_page(browser, server)
+    browser.execute_async_script(
+        "const done = arguments[arguments.length - 1]; const s = document.getElementById('experiment');"
+        "if (![...s.options].some(o => o.value === 'empty-one')) s.append(new Option('empty-one', 'empty-one'));"
+        "s.value = 'empty-one'; s.dispatchEvent(new Event('change')); state.queue.then(done);"
+    )
+    assert "ppoflow train" in browser.find_element(By.ID, "runs-empty").text
+    assert "Tick a run" in browser.find_element(By.ID, "curves").text
+
+
+def test_a_run_keeps_its_colour_when_another_run_appears(browser, server, store):
+    open_page(browser, server, select_runs={store["run_id"]})
+
+    def colours():
+        return {
+            row.get_attribute("data-run-id"): row.find_element(By.CLASS_NAME, "swatch").value_of_css_property("color")
+            for row in browser.find_elements(By.CSS_SELECTOR, "#runs tbody tr")
+        }
+
+    before = colours()
+    client = MlflowClient(store["uri"])
+    newcomer = client.create_run(client.get_experiment_by_name("ppoflow").experiment_id, run_name="newcomer")
+    try:
+        browser.execute_async_script("refreshAll().then(arguments[arguments.length - 1])")
+        after = colours()
+        assert {run: after[run] for run in before} == before  # nobody's colour moved
+        assert after[newcomer.info.run_id] not in before.values()
+    finally:
+        client.delete_run(newcomer.info.run_id)
 
 
 def test_logged_strings_are_text_never_html(browser, server, store):
