@@ -119,6 +119,9 @@ class ActorConfig:
     strategy: str = "fsdp"  # fsdp | fsdp2: both are FSDP2 (fully_shard) here
     ppo_mini_batch_size: int = 256  # in prompts; x rollout.n responses per optimizer step
     ppo_micro_batch_size_per_gpu: int = 4  # responses per forward/backward (gradient accumulation; verl: no default)
+    # true: micro-batches packed by tokens (at most ppo_max_token_len_per_gpu real tokens), not by count
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384
     ppo_epochs: int = 1
     shuffle: bool = False
     # false: skip the old-log-prob pass and use the update's own forward pass, detached, as the old log-probs. Only
@@ -145,6 +148,8 @@ class ActorConfig:
 @dataclass
 class RefConfig:
     log_prob_micro_batch_size_per_gpu: int = 8  # verl: no default
+    log_prob_use_dynamic_bsz: bool = "${actor_rollout_ref.actor.use_dynamic_bsz}"  # type: ignore[assignment]
+    log_prob_max_token_len_per_gpu: int = "${actor_rollout_ref.actor.ppo_max_token_len_per_gpu}"  # type: ignore[assignment]
 
 
 @dataclass
@@ -189,6 +194,8 @@ class RolloutConfig:
     response_length: int = "${data.max_response_length}"  # type: ignore[assignment]
     generation_batch_size: int = 256  # sequences generated at once; bounds memory
     log_prob_micro_batch_size_per_gpu: int = 8  # verl: no default
+    log_prob_use_dynamic_bsz: bool = "${actor_rollout_ref.actor.use_dynamic_bsz}"  # type: ignore[assignment]
+    log_prob_max_token_len_per_gpu: int = "${actor_rollout_ref.actor.ppo_max_token_len_per_gpu}"  # type: ignore[assignment]
     # also return the sampler's own log-probs (rollout_log_probs); the step then logs how far they are from the
     # recomputed old log-probs (training/rollout_probs_diff_*: ~0 when the samples come from the trained policy)
     calculate_log_probs: bool = True
@@ -244,6 +251,9 @@ class CriticConfig:
     ppo_mini_batch_size: int = "${actor_rollout_ref.actor.ppo_mini_batch_size}"  # type: ignore[assignment]
     ppo_micro_batch_size_per_gpu: int = 4  # verl: no default
     forward_micro_batch_size_per_gpu: int = "${critic.ppo_micro_batch_size_per_gpu}"  # type: ignore[assignment]
+    use_dynamic_bsz: bool = "${actor_rollout_ref.actor.use_dynamic_bsz}"  # type: ignore[assignment]
+    ppo_max_token_len_per_gpu: int = 32768
+    forward_max_token_len_per_gpu: int = "${critic.ppo_max_token_len_per_gpu}"  # type: ignore[assignment]
     ppo_epochs: int = "${actor_rollout_ref.actor.ppo_epochs}"  # type: ignore[assignment]
     shuffle: bool = "${actor_rollout_ref.actor.shuffle}"  # type: ignore[assignment]
     cliprange_value: float = 0.5

@@ -19,9 +19,18 @@ from flows.prefect_server import (
 )
 
 
-def _train(args: argparse.Namespace) -> int:
+def prefect_and_stack(args: argparse.Namespace) -> str:
+    """Prefect's settings, then the stack's services when it is up (PREFECT_API_URL: set before Prefect is imported,
+    so that Prefect reads it), then a failed task run printed in one line unless ``--verbose``. Says what it uses."""
     configure_prefect()
-    print(f"ppoflow train: using {use_stack()}", flush=True)
+    stack = use_stack()
+    if not args.verbose:
+        console_without_tracebacks()
+    return stack
+
+
+def _train(args: argparse.Namespace) -> int:
+    print(f"ppoflow train: using {prefect_and_stack(args)}", flush=True)
     from flows.config import ConfigError, compose_config
     from flows.resume import ResumeRefused, check_resume
     from rl_core.input_checks import InputError, check_run_inputs
@@ -60,8 +69,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    configure_prefect()
-    print(f"ppoflow sweep: using {use_stack()}", flush=True)
+    print(f"ppoflow sweep: using {prefect_and_stack(args)}", flush=True)
     from flows.sweep import SweepError, check_sweep
     from flows.train import summary_line
 
@@ -90,8 +98,7 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    configure_prefect()
-    print(f"ppoflow evaluate: using {use_stack()}", flush=True)
+    print(f"ppoflow evaluate: using {prefect_and_stack(args)}", flush=True)
     server_ready = start_temporary_server()
     from flows.config import ConfigError
     from flows.evaluate import EvaluationSourceError, evaluate
@@ -163,8 +170,6 @@ def run_flow_command(args: argparse.Namespace) -> int:
     from infra import watchdog
 
     watchdog.start()
-    if not args.verbose:
-        console_without_tracebacks()
     received = _stop_on_signals()
     try:
         code = args.flow_command(args)

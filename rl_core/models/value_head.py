@@ -75,6 +75,10 @@ def load_critic_model(
     tokenizer = load_tokenizer((model_config.tokenizer_path or path), trust_remote_code)
     hf_config = load_hf_config(path, model_config.override_config, trust_remote_code)
     hf_config.num_labels = 1
+    if "classifier_dropout" not in dict(model_config.override_config or {}):
+        # a token-classification head falls back to dropout 0.1 when the config names none (as verl, 0): with it, the
+        # critic's update would see other values than compute_values did, and two equal updates would differ
+        hf_config.classifier_dropout = 0.0
     dtype = torch_dtype(model_config.dtype)
     folder = local_model_path(path, "critic.model.path")
     token_classification = (

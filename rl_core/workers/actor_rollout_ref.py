@@ -57,6 +57,7 @@ from rl_core.rollout import build_rollout_engine
 from rl_core.workers.data_parallel import global_sum
 from rl_core.workers.dispatch import DP_COMPUTE, ONE_TO_ALL, dispatch
 from rl_core.workers.fsdp import full_parameters, optimizer_state_on_device, shard_module
+from rl_core.workers.micro_batches import in_micro_batches, token_budget
 from rl_core.workers.train_loop import local_mini_batch_size, run_updates
 from rl_core.workers.trainable_state import load_model_weights, load_trainable, save_trainable
 
@@ -195,8 +196,9 @@ class ActorRolloutRefWorker:
     def compute_log_prob(self, batch: Batch) -> Batch:
         """old_log_probs and entropys of the responses under the current actor."""
         self._require(self.is_actor, "compute_log_prob", "actor")
-        micro = int(self.rollout_config.log_prob_micro_batch_size_per_gpu)
-        log_probs, entropy = self._log_probs(self.module, batch, micro, calculate_entropy=True)
+        rollout = self.rollout_config
+        micro, max_tokens = int(rollout.log_prob_micro_batch_size_per_gpu), token_budget(rollout, "log_prob_")
+        log_probs, entropy = self._log_probs(self.module, batch, micro, max_tokens, calculate_entropy=True)
         return Batch(
             {OLD_LOG_PROBS: log_probs, ENTROPYS: entropy},
             meta_info={TEMPERATURE: batch.meta_info.get(TEMPERATURE, 1.0)},
@@ -207,9 +209,10 @@ class ActorRolloutRefWorker:
     @torch.no_grad()
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         self._require(self.is_ref, "compute_ref_log_prob", "ref")
-        micro = int(self.config.ref.log_prob_micro_batch_size_per_gpu)
+        ref = self.config.ref
+        micro, max_tokens = int(ref.log_prob_micro_batch_size_per_gpu), token_budget(ref, "log_prob_")
         with adapter_disabled(self.ref_module) if self.ref_module is self.module else contextlib.nullcontext():
-            log_probs, _ = self._log_probs(self.ref_module, batch, micro, calculate_entropy=False)
+            log_probs, _ = self._log_probs(self.ref_module, batch, micro, max_tokens, calculate_entropy=False)
         return Batch({REF_LOG_PROB: log_probs})
 
     @dispatch(DP_COMPUTE)
@@ -275,6 +278,7 @@ class ActorRolloutRefWorker:
                 batch,
                 mini_batch_size=local_mini_batch_size(int(actor.ppo_mini_batch_size) * n),
                 micro_batch_size=int(actor.ppo_micro_batch_size_per_gpu),
+                max_tokens=token_budget(actor, "ppo_"),
                 epochs=int(actor.ppo_epochs),
                 shuffle=bool(actor.shuffle),
                 seed=self.steps_trained,
@@ -346,16 +350,22 @@ class ActorRolloutRefWorker:
                 entropy_chunk_size=int(self.actor_config.entropy_from_logits_chunk_size),
             )
 
-    def _log_probs(self, module: torch.nn.Module, batch: Batch, micro_batch_size: int, calculate_entropy: bool):
+    def _log_probs(
+        self,
+        module: torch.nn.Module,
+        batch: Batch,
+        micro_batch_size: int,
+        max_tokens: int | None,
+        calculate_entropy: bool,
+    ):
         module.eval()
         temperature = batch.meta_info.get(TEMPERATURE, 1.0)
-        pieces = [
-            self._micro_log_probs(module, micro, temperature, calculate_entropy)
-            for micro in batch.split(micro_batch_size)
-        ]
-        log_probs = torch.cat([p[0] for p in pieces])
-        entropy = torch.cat([p[1] for p in pieces]) if calculate_entropy else None
-        return log_probs, entropy
+        return in_micro_batches(
+            batch,
+            micro_batch_size,
+            max_tokens,
+            lambda micro: self._micro_log_probs(module, micro, temperature, calculate_entropy),
+        )
 
     def _require(self, present: bool, method: str, role: str) -> None:
         if not present:

@@ -1,4 +1,4 @@
-"""What a worker needs to know about data parallelism: its world size and global sums across ranks.
+"""What a worker needs to know about data parallelism: its world size, global sums and maxima across ranks.
 
 Without an initialised ``torch.distributed`` process group everything is local (world size 1).
 """
@@ -31,3 +31,12 @@ def any_rank(flag: bool) -> bool:
     """Whether ``flag`` holds on any data-parallel rank. Every rank must call it: ranks that must stop together
     (a non-finite loss on one of them) agree here instead of leaving the others waiting in a collective."""
     return bool(global_sum(float(flag)) > 0) if world_size() > 1 else flag
+
+
+def global_max(value: int) -> int:
+    """The largest ``value`` over all data-parallel ranks (every rank must call it)."""
+    if world_size() == 1:
+        return value
+    largest = torch.tensor(value, dtype=torch.int64, device=collective_device())
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    return int(largest.item())

@@ -22,6 +22,7 @@ from rl_core.batch import Batch
 from rl_core.batch_fields import RESPONSE_MASK
 from rl_core.workers.data_parallel import any_rank, global_sum, world_size
 from rl_core.workers.fsdp import clip_grad_norm
+from rl_core.workers.micro_batches import micro_batch_rows
 
 
 class NonFiniteError(FloatingPointError):
@@ -63,6 +64,7 @@ def run_updates(
     batch: Batch,
     mini_batch_size: int,
     micro_batch_size: int,
+    max_tokens: int | None,
     epochs: int,
     shuffle: bool,
     seed: int,
@@ -70,8 +72,9 @@ def run_updates(
     micro_loss: Callable[[Batch, dict[str, float], float], tuple[torch.Tensor, dict[str, float]]],
 ) -> dict[str, float]:
     """Run the loop; ``micro_loss(micro, batch_info, share)`` returns the micro-batch's part of the mini-batch's loss
-    and
-    its metrics (``share``: the micro-batch's rows / the rank's mini-batch rows, for a loss that is a micro-batch mean).
+    and its metrics (``share``: the micro-batch's rows / the rank's mini-batch rows, for a loss that is a micro-batch
+    mean). Micro-batches hold ``micro_batch_size`` rows, or at most ``max_tokens`` tokens when it is given
+    (rl_core/workers/micro_batches.py).
 
     Returns metrics averaged over mini-batches (``<name>/grad_norm`` and per-micro metrics averaged over micros;
     the loss metrics that ``micro_loss`` reports as ``*_loss`` are summed over micros = the mini-batch loss).
@@ -83,7 +86,8 @@ def run_updates(
         info = global_batch_info(mini)
         optimizer.zero_grad(set_to_none=True)
         micro_metrics: dict[str, list[float]] = defaultdict(list)
-        for micro in mini.split(micro_batch_size):
+        for rows in micro_batch_rows(mini, micro_batch_size, max_tokens):
+            micro = mini[rows]
             loss, metrics = micro_loss(micro, info, len(micro) / len(mini))
             if any_rank(not bool(torch.isfinite(loss))):  # all ranks stop together, before backward's collectives
                 optimizer.zero_grad(set_to_none=True)

@@ -300,6 +300,13 @@ def test_a_verl_legacy_loss_that_ignores_the_global_batch_info_is_scaled_to_the_
         POLICY_LOSSES.pop("legacy_mean_pg")
 
 
+def test_the_critic_has_no_dropout(config):
+    """A token-classification head defaults to dropout 0.1 when the config names no classifier_dropout."""
+    critic = CriticWorker(config.critic)
+    critic.init_model()
+    assert [m.p for m in critic.module.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0] == []
+
+
 def test_role_checks(config):
     worker = ActorRolloutRefWorker(config.actor_rollout_ref, role="ref")
     with pytest.raises(RuntimeError, match="update_actor needs the 'actor' role"):
