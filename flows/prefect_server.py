@@ -19,12 +19,13 @@ from datetime import datetime, timezone
 
 def configure_prefect() -> None:
     """Flow-run logs (the per-step lines) stay at INFO; Prefect's per-task-run state lines only when they warn. A
-    temporary Prefect server gets the stack's retention settings too. Variables already set win."""
-    from infra.stack import PREFECT_RETENTION
+    temporary Prefect server gets the stack's server settings too (task runs recorded in batches, retention).
+    Variables already set win."""
+    from infra.stack import PREFECT_SERVER_SETTINGS
 
     os.environ.setdefault("PREFECT_LOGGING_LOGGERS_PREFECT_TASK_RUNS_LEVEL", "WARNING")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    for key, value in PREFECT_RETENTION.items():
+    for key, value in PREFECT_SERVER_SETTINGS.items():
         os.environ.setdefault(key, value)
 
 

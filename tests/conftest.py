@@ -70,6 +70,10 @@ def prefect_api():
     """A real Prefect API for the whole session (Prefect's test harness: a temporary server on SQLite)."""
     from prefect.testing.utilities import prefect_test_harness
 
+    from flows.prefect_server import configure_prefect
+
+    configure_prefect()  # the server settings a command's temporary server gets (task runs recorded in batches)
+
     with prefect_test_harness(server_startup_timeout=120):
         yield
 

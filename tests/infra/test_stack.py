@@ -92,8 +92,8 @@ def test_up_status_train_down(stack_env, tmp_path, demo_cache):
     assert ppoflow(stack_env, "status", timeout=60).returncode == 1
 
 
-def test_the_prefect_server_deletes_task_run_events_after_an_hour(tmp_path):
-    """The retention settings the stack's Prefect server (and a temporary one) starts with are ones Prefect accepts."""
+def test_the_prefect_server_records_in_batches_and_deletes_task_run_events_after_an_hour(tmp_path):
+    """The settings the stack's Prefect server (and a temporary one) starts with are ones Prefect accepts."""
     from datetime import timedelta
 
     from prefect.settings import Settings
@@ -115,4 +115,15 @@ def test_the_prefect_server_deletes_task_run_events_after_an_hour(tmp_path):
     )
     vacuum = settings.server.services.db_vacuum
     assert vacuum.event_retention_overrides["prefect.task-run.Completed"] == timedelta(hours=1)
+    recorder = Settings(
+        server={
+            "services": {
+                "task_run_recorder": {
+                    "batch_size": env["PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE"],
+                    "flush_interval": env["PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL"],
+                }
+            }
+        }
+    ).server.services.task_run_recorder
+    assert recorder.batch_size == 100 and recorder.flush_interval == 1
     assert "events" in vacuum.enabled_vacuum_types and vacuum.loop_seconds == 600
