@@ -12,21 +12,12 @@ collective): the ranks take the largest count of any of them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
 from rl_core.batch import Batch
 from rl_core.batch_fields import ATTENTION_MASK
 from rl_core.workers.data_parallel import global_max
-
-
-def token_budget(section: Any, prefix: str) -> int | None:
-    """A config section's token budget per micro-batch, None when it cuts by count: ``<prefix>max_token_len_per_gpu``
-    when ``use_dynamic_bsz`` is on (``log_prob_use_dynamic_bsz`` for the ``log_prob_`` settings of ref and rollout;
-    prefixes: ``ppo_`` for updates, ``forward_`` for the critic's values)."""
-    switch = "log_prob_use_dynamic_bsz" if prefix == "log_prob_" else "use_dynamic_bsz"
-    return int(getattr(section, f"{prefix}max_token_len_per_gpu")) if getattr(section, switch) else None
 
 
 def pack_by_tokens(lengths: list[int], max_tokens: int) -> list[list[int]]:
