@@ -16,8 +16,10 @@ from collections.abc import Callable
 import torch
 
 from rl_core.batch import Batch
-from rl_core.batch_fields import ATTENTION_MASK
+from rl_core.batch_fields import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, PROMPTS, RESPONSES
 from rl_core.workers.data_parallel import global_max
+
+SEQUENCE_FIELDS = (INPUT_IDS, ATTENTION_MASK, POSITION_IDS)  # (B, P + R); every other 2-D tensor but PROMPTS is (B, R)
 
 
 def pack_by_tokens(lengths: list[int], max_tokens: int) -> list[list[int]]:
@@ -66,14 +68,39 @@ def micro_batch_rows(batch: Batch, micro_batch_size: int, max_tokens: int | None
     return split_into(groups, global_max(len(groups)))
 
 
+def trim_response_padding(micro: Batch) -> Batch:
+    """``micro`` without the response columns that are padding on all its rows (responses are right-padded), so a
+    padded forward pass runs at the width of its longest response, not the batch's. Nothing else changes: the cut
+    positions are masked, and causal attention never lets a real token see a later one."""
+    width = micro.tensors[RESPONSES].shape[1]
+    real = micro.tensors[ATTENTION_MASK][:, -width:].any(dim=0).nonzero()
+    keep = int(real.max()) + 1 if len(real) else 1
+    if keep == width:
+        return micro
+    cut = width - keep
+    tensors = {}
+    for key, tensor in micro.tensors.items():
+        if key in SEQUENCE_FIELDS:
+            tensor = tensor[:, : tensor.shape[1] - cut]
+        elif key != PROMPTS and tensor.dim() >= 2 and tensor.shape[1] == width:
+            tensor = tensor[:, :keep]
+        tensors[key] = tensor
+    return Batch(tensors, micro.non_tensors, micro.meta_info)
+
+
 def in_micro_batches(
     batch: Batch, micro_batch_size: int, max_tokens: int | None, forward: Callable[[Batch], tuple]
 ) -> tuple[torch.Tensor | None, ...]:
-    """``forward(micro)`` (a tuple of tensors with a row per sequence, or None) on each micro-batch
-    (:func:`micro_batch_rows`), the pieces joined back in the batch's row order."""
+    """``forward(micro)`` (a tuple of (rows, response columns) tensors, or None) on each micro-batch
+    (:func:`micro_batch_rows`, :func:`trim_response_padding`), the pieces padded back to the batch's response width
+    with zeros and joined in the batch's row order."""
+    width = batch.tensors[RESPONSES].shape[1]
     groups = micro_batch_rows(batch, micro_batch_size, max_tokens)
-    pieces = [forward(batch[rows]) for rows in groups]
-    order = torch.tensor([row for rows in groups for row in rows])
+    pieces = [forward(trim_response_padding(batch[rows])) for rows in groups]
+    order = torch.argsort(torch.tensor([row for rows in groups for row in rows]))
     return tuple(
-        None if parts[0] is None else torch.cat(parts)[torch.argsort(order)] for parts in zip(*pieces, strict=True)
+        None
+        if parts[0] is None
+        else torch.cat([torch.nn.functional.pad(part, (0, width - part.shape[1])) for part in parts])[order]
+        for parts in zip(*pieces, strict=True)
     )

@@ -22,7 +22,7 @@ from rl_core.batch import Batch
 from rl_core.batch_fields import RESPONSE_MASK
 from rl_core.workers.data_parallel import any_rank, global_sum, world_size
 from rl_core.workers.fsdp import clip_grad_norm
-from rl_core.workers.micro_batches import micro_batch_rows
+from rl_core.workers.micro_batches import micro_batch_rows, trim_response_padding
 
 
 class NonFiniteError(FloatingPointError):
@@ -87,7 +87,7 @@ def run_updates(
         optimizer.zero_grad(set_to_none=True)
         micro_metrics: dict[str, list[float]] = defaultdict(list)
         for rows in micro_batch_rows(mini, micro_batch_size, max_tokens):
-            micro = mini[rows]
+            micro = trim_response_padding(mini[rows])
             loss, metrics = micro_loss(micro, info, len(micro) / len(mini))
             if any_rank(not bool(torch.isfinite(loss))):  # all ranks stop together, before backward's collectives
                 optimizer.zero_grad(set_to_none=True)

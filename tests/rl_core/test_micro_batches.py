@@ -10,7 +10,13 @@ import torch
 
 from rl_core.batch import Batch
 from rl_core.workers import ActorRolloutRefWorker, CriticWorker
-from rl_core.workers.micro_batches import in_micro_batches, micro_batch_rows, pack_by_tokens, split_into
+from rl_core.workers.micro_batches import (
+    in_micro_batches,
+    micro_batch_rows,
+    pack_by_tokens,
+    split_into,
+    trim_response_padding,
+)
 from tests.rl_core.test_workers import build_workers, fixed_batch
 
 
@@ -35,14 +41,34 @@ def test_every_row_once_and_no_group_over_the_budget(seed):
     assert len(more) == min(len(groups) + 3, len(lengths))
 
 
+def test_a_micro_batch_runs_at_the_width_of_its_longest_response():
+    lengths = torch.tensor([2, 3])
+    response_mask = (torch.arange(6)[None, :] < lengths[:, None]).long()
+    micro = Batch(
+        {
+            "prompts": torch.ones(2, 6, dtype=torch.long),  # as wide as the responses: never cut
+            "responses": torch.arange(12).view(2, 6),
+            "response_mask": response_mask,
+            "attention_mask": torch.cat([torch.ones(2, 6, dtype=torch.long), response_mask], dim=1),
+            "advantages": torch.ones(2, 1),
+        }
+    )
+    trimmed = trim_response_padding(micro)
+    assert trimmed.tensors["responses"].tolist() == [[0, 1, 2], [6, 7, 8]]
+    assert trimmed.tensors["attention_mask"].shape == (2, 9) and trimmed.tensors["prompts"].shape == (2, 6)
+    assert trimmed.tensors["advantages"].shape == (2, 1)
+
+
 def test_outputs_come_back_in_the_batch_order():
     lengths = torch.tensor([5, 1, 4, 2, 3, 1])
     mask = (torch.arange(6)[None, :] < lengths[:, None]).long()
-    batch = Batch({"attention_mask": mask, "value": torch.arange(6.0)[:, None] * 10})
+    batch = Batch({"attention_mask": mask, "responses": mask, "value": torch.arange(6.0)[:, None] * 10})
     groups = micro_batch_rows(batch, micro_batch_size=2, max_tokens=6)
     assert [sum(lengths[r] for r in group) <= 6 for group in groups] == [True] * len(groups) and len(groups) == 3
-    (back, none) = in_micro_batches(batch, 2, 6, lambda micro: (micro.tensors["value"] + 1, None))
-    assert torch.equal(back, batch.tensors["value"] + 1) and none is None
+    (back, none) = in_micro_batches(
+        batch, 2, 6, lambda micro: (micro.tensors["responses"] * (micro.tensors["value"] + 1), None)
+    )
+    assert torch.equal(back, batch.tensors["responses"] * (batch.tensors["value"] + 1)) and none is None
     assert micro_batch_rows(batch, micro_batch_size=4) == [[0, 1, 2, 3], [4, 5]]
 
 
@@ -56,7 +82,10 @@ def uneven(batch):
     return batch
 
 
-def test_token_budget_gives_the_same_log_probs_values_and_update(tmp_path, config):
+@pytest.mark.parametrize("padding_free", [True, False])
+def test_token_budget_gives_the_same_log_probs_values_and_update(tmp_path, config, padding_free):
+    """(Padded forward passes run at each micro-batch's own width: trim_response_padding.)"""
+    config.actor_rollout_ref.model.use_remove_padding = padding_free
     config.actor_rollout_ref.actor.use_kl_loss = True
     config.algorithm.adv_estimator = "gae"
     actor, critic = build_workers(config, with_critic=True)
@@ -87,8 +116,9 @@ def test_token_budget_gives_the_same_log_probs_values_and_update(tmp_path, confi
         critic_weights = torch.cat([p.flatten() for p in fresh_critic.module.parameters()])
         results.append((log_probs, values, metrics, critic_metrics, weights, critic_weights))
     (lp_a, v_a, m_a, c_a, w_a, cw_a), (lp_b, v_b, m_b, c_b, w_b, cw_b) = results
-    assert torch.allclose(lp_a["old_log_probs"], lp_b["old_log_probs"], atol=1e-5)
-    assert torch.allclose(lp_a["entropys"], lp_b["entropys"], atol=1e-5)
+    mask = batch.tensors["response_mask"]  # (a padded pass's values past a response's end are not used)
+    assert torch.allclose(lp_a["old_log_probs"] * mask, lp_b["old_log_probs"] * mask, atol=1e-5)
+    assert torch.allclose(lp_a["entropys"] * mask, lp_b["entropys"] * mask, atol=1e-5)
     assert torch.allclose(v_a, v_b, atol=1e-5)
     assert m_a["actor/pg_loss"] == pytest.approx(m_b["actor/pg_loss"], abs=1e-5)
     assert c_a["critic/vf_loss"] == pytest.approx(c_b["critic/vf_loss"], abs=1e-5)
