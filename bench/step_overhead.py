@@ -116,7 +116,7 @@ def interleaved_steps(settings: list[str], pairs: int, warmup: int) -> list[dict
     from flows.config import compose_config
     from flows.session import TrainingSession
     from flows.train import load_inputs
-    from rl_core.ppo_step import run_directly, run_ppo_step
+    from rl_core.ppo_step import run_directly
 
     @flow(name="ppoflow-step-overhead")
     def run() -> list[dict]:
@@ -131,16 +131,7 @@ def interleaved_steps(settings: list[str], pairs: int, warmup: int) -> list[dict
                     step += 1
                     session.run_stage.step = step
                     before = snapshot()
-                    run_ppo_step(
-                        config,
-                        session.workers,
-                        inputs.train_data,
-                        session.progress.sampler,
-                        inputs.reward_manager,
-                        session.progress.kl_controller,
-                        step,
-                        runners[arm],
-                    )
+                    session.ppo_step(step, runners[arm])
                     rows.append({"pair": pair, "arm": arm, **step_costs(before, snapshot())})
         return rows
 

@@ -50,7 +50,7 @@ from rl_core.batch_fields import ATTENTION_MASK
 from rl_core.data.dataset import RLDataset
 from rl_core.data.sampler import ResumableSampler
 from rl_core.models.loading import load_policy_tokenizer
-from rl_core.ppo_step import StepWorkers, resolved_total_steps, retry_safe_stages, run_validation
+from rl_core.ppo_step import StepWorkers, resolved_total_steps, retry_safe_stages, run_ppo_step, run_validation
 from rl_core.reward.custom import load_custom_reward_function
 from rl_core.reward.manager import RewardManager, build_reward_manager
 from rl_core.step_checkpoint import CheckpointError, FolderLock, StepCheckpoints
@@ -259,6 +259,21 @@ class TrainingSession:
             latest = self.checkpoints.latest_step()
             if latest is not None:
                 self._restore(self.checkpoints.step_dir(latest))
+
+    def ppo_step(self, step: int, run_stage: Any = None) -> tuple[Batch, dict[str, float]]:
+        """Step ``step`` (:func:`rl_core.ppo_step.run_ppo_step`) on the session's workers, data, reward and KL
+        controller; its stages run through ``run_stage`` (default: as Prefect tasks, flows.stages.StageRunner)."""
+        inputs, progress = self.inputs, self.progress
+        return run_ppo_step(
+            self.config,
+            self.workers,
+            inputs.train_data,
+            progress.sampler,
+            inputs.reward_manager,
+            progress.kl_controller,
+            step,
+            run_stage or self.run_stage,
+        )
 
     def validate(self) -> dict[str, float]:
         """Greedy validation on the validation set (``actor_rollout_ref.rollout.val_kwargs``), the task run

@@ -28,7 +28,6 @@ from flows.session import TrainingInputs, TrainingSession, every
 from flows.stages import run_phase
 from flows.tracking import provenance_tags
 from rl_core.input_checks import check_run_inputs
-from rl_core.ppo_step import run_ppo_step
 
 
 def run_training(config: DictConfig, tags: dict[str, str] | None = None) -> dict[str, Any]:
@@ -47,16 +46,7 @@ def run_training(config: DictConfig, tags: dict[str, str] | None = None) -> dict
         while session.progress.global_step < session.total_steps:
             step = session.progress.global_step + 1
             with session.step(step):  # a dead worker: the group is rebuilt and the loop rewinds to the checkpoint
-                batch, metrics = run_ppo_step(
-                    config,
-                    session.workers,
-                    inputs.train_data,
-                    session.progress.sampler,
-                    inputs.reward_manager,
-                    session.progress.kl_controller,
-                    step,
-                    session.run_stage,
-                )
+                batch, metrics = session.ppo_step(step)  # rl_core.ppo_step.run_ppo_step, stages as Prefect tasks
                 if every(step, config.trainer.test_freq, session.total_steps):
                     metrics.update(session.validate())
                 session.record(step, batch, metrics)
