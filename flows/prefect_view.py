@@ -37,9 +37,12 @@ PRUNE_EVERY_STEPS = 50  # old task runs are deleted in batches of this many step
 def mlflow_run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str | None:
     """The run's page in the MLflow UI: on the tracking server itself when it is one, else on
     ``PPOFLOW_MLFLOW_UI_URL`` when it is set (an ``mlflow ui --backend-store-uri <store>`` serving a local store);
-    None when no UI serves the store (a link would not open)."""
+    None when no UI serves the store (a link would not open). It opens MLflow's model-training view."""
     base = tracking_uri if tracking_uri.startswith(("http://", "https://")) else os.environ.get("PPOFLOW_MLFLOW_UI_URL")
-    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}" if base else None
+    if not base:
+        return None
+    # the model-training view: without it a fresh browser opens MLflow 3's GenAI view, with no params or metrics
+    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"
 
 
 def prefect_ui_url() -> str | None:

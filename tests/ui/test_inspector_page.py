@@ -139,7 +139,8 @@ def test_the_run_list_shows_the_run(browser, server, store):
         MlflowClient(store["uri"]).get_run(store["run_id"]).data.metrics["val-core/ppoflow/addition/acc/mean_at_1"]
     )
     assert cells[7] == f"{validation:.3f}" and cells[8] and cells[9].endswith(" s")  # validation, start, duration
-    assert row.find_element(By.LINK_TEXT, "MLflow").get_attribute("href").endswith(f"/runs/{store['run_id']}")
+    mlflow_link = row.find_element(By.LINK_TEXT, "MLflow").get_attribute("href")  # in MLflow's model-training view
+    assert mlflow_link.endswith(f"/runs/{store['run_id']}?workflowType=machine_learning")
     # the run's Prefect server (the tests' harness) is up: linked; the header's Prefect and Ray links do not answer
     assert "/runs/flow-run/" in row.find_element(By.LINK_TEXT, "Prefect").get_attribute("href")
     header = [a.text for a in browser.find_elements(By.CSS_SELECTOR, "#links a")]

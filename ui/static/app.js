@@ -75,7 +75,8 @@ function orderedSelected() {
 
 // ------------------------------------------------------------------ runs
 function mlflowRunUrl(run) {
-  return `${state.settings.mlflow_url}/#/experiments/${run.experiment_id}/runs/${run.run_id}`;
+  // the model-training view: without it a fresh browser opens MLflow 3's GenAI view, with no params or metrics
+  return `${state.settings.mlflow_url}/#/experiments/${run.experiment_id}/runs/${run.run_id}?workflowType=machine_learning`;
 }
 
 function duration(run) {
