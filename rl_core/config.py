@@ -149,7 +149,9 @@ class ActorConfig:
 class RefConfig:
     log_prob_micro_batch_size_per_gpu: int = 8  # verl: no default
     log_prob_use_dynamic_bsz: bool = "${actor_rollout_ref.actor.use_dynamic_bsz}"  # type: ignore[assignment]
-    log_prob_max_token_len_per_gpu: int = "${actor_rollout_ref.actor.ppo_max_token_len_per_gpu}"  # type: ignore[assignment]
+    log_prob_max_token_len_per_gpu: int = (  # type: ignore[assignment]
+        "${actor_rollout_ref.actor.ppo_max_token_len_per_gpu}"
+    )
 
 
 @dataclass
@@ -195,7 +197,9 @@ class RolloutConfig:
     generation_batch_size: int = 256  # sequences generated at once; bounds memory
     log_prob_micro_batch_size_per_gpu: int = 8  # verl: no default
     log_prob_use_dynamic_bsz: bool = "${actor_rollout_ref.actor.use_dynamic_bsz}"  # type: ignore[assignment]
-    log_prob_max_token_len_per_gpu: int = "${actor_rollout_ref.actor.ppo_max_token_len_per_gpu}"  # type: ignore[assignment]
+    log_prob_max_token_len_per_gpu: int = (  # type: ignore[assignment]
+        "${actor_rollout_ref.actor.ppo_max_token_len_per_gpu}"
+    )
     # also return the sampler's own log-probs (rollout_log_probs); the step then logs how far they are from the
     # recomputed old log-probs (training/rollout_probs_diff_*: ~0 when the samples come from the trained policy)
     calculate_log_probs: bool = True

@@ -73,6 +73,19 @@ def answers(url: str, timeout_s: float = 0.5) -> bool:
         return False
 
 
+class LiveLinks:
+    """``links`` as the page gets them: a UI that does not answer is None (asked again every LINK_CHECK_EVERY_S)."""
+
+    def __init__(self, links: Links):
+        self.links, self.found, self.checked_at = links, {}, -LINK_CHECK_EVERY_S
+
+    def __call__(self) -> dict[str, str | None]:
+        if time.monotonic() - self.checked_at >= LINK_CHECK_EVERY_S:
+            self.found = {name: url if answers(url) else None for name, url in asdict(self.links).items()}
+            self.checked_at = time.monotonic()
+        return self.found
+
+
 def create_app(
     tracking_uri: str,
     links: Links | None = None,
@@ -82,16 +95,10 @@ def create_app(
     """The app over the store at ``tracking_uri``; requests must name it by a loopback name or one of
     ``allowed_hosts``."""
     store = RunStore(tracking_uri)
-    links = links or Links.from_environment()
-    checked: dict[str, Any] = {"at": -LINK_CHECK_EVERY_S}
+    live_links = LiveLinks(links or Links.from_environment())
 
     def settings(request: Request) -> dict[str, Any]:
-        """The page's settings; a link to a UI that does not answer (checked every LINK_CHECK_EVERY_S) is null."""
-        if time.monotonic() - checked["at"] >= LINK_CHECK_EVERY_S:
-            checked.update({name: url if answers(url) else None for name, url in asdict(links).items()})
-            checked["at"] = time.monotonic()
-        found = {name: checked[name] for name in asdict(links)}
-        return {**found, "default_experiment": default_experiment, "tracking_uri": redact_text(tracking_uri)}
+        return {**live_links(), "default_experiment": default_experiment, "tracking_uri": redact_text(tracking_uri)}
 
     def run_ids(request: Request) -> list[str]:
         ids = request.query_params.getlist("run")
