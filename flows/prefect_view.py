@@ -32,6 +32,7 @@ from flows.secrets import redact_text
 
 PROGRESS_EVERY_S = 5.0  # the progress artifact is updated at most this often (each update is an API call)
 PRUNE_EVERY_STEPS = 50  # old task runs are deleted in batches of this many steps
+RECORDER_LAG_S = 2.0  # the server writes what it recorded at least every second (infra.stack settings), with margin
 
 
 def mlflow_run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str | None:
@@ -180,7 +181,12 @@ class TaskRunPruner(threading.Thread):
                 delete_task_runs_before(self.flow_run_id, cutoff)
                 done = cutoff
             if self.stopping and self.cutoff == done:
-                return
+                break
+        # the server records task runs from their events in batches: one that started before the cutoff but was not
+        # recorded yet when its batch went is deleted here, once the recorder has written it (no later batch will)
+        if done is not None:
+            time.sleep(RECORDER_LAG_S)
+            delete_task_runs_before(self.flow_run_id, done)
 
 
 def delete_task_runs_before(flow_run_id: str, cutoff: datetime) -> int:
