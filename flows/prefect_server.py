@@ -84,6 +84,9 @@ def stop_temporary_server(task_runs: int, timeout_s: float = 30.0) -> None:
     from prefect.events.worker import EventsWorker
     from prefect.logging.handlers import APILogWorker
 
+    from flows.stages import flush_reported_runs
+
+    flush_reported_runs()
     EventsWorker.drain_all(timeout=5)
     APILogWorker.drain_all(timeout=5)
     deadline = time.monotonic() + timeout_s

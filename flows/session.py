@@ -37,7 +37,7 @@ from flows.resume import (
     finished_result,
     workers_config_digest,
 )
-from flows.stages import StageRunner, run_phase
+from flows.stages import StageRunner, flush_reported_runs, run_phase
 from flows.step_report import console_line, samples_table, validation_summary
 from flows.tracking import PREFECT_FLOW_RUN_TAG, PREFECT_UI_TAG, RunTracker, mark_killed, tracking_uri
 from flows.workers import build_workers, kill_worker_group, reattach_workers, run_namespace, step_workers, weights_at
@@ -229,6 +229,7 @@ class TrainingSession:
                 self.tracker.fail(error, killed=told_to_stop(error))
             if self.group is not None and (error is None or not keeps_workers_on_failure(self.config, error)):
                 self.group.kill()
+            flush_reported_runs()  # the step's task runs reach Prefect before its flow run ends
             self.view.close(timeout_s=30 if error is None else 5)
         finally:
             self.folder_lock.release()
@@ -262,7 +263,8 @@ class TrainingSession:
 
     def ppo_step(self, step: int, run_stage: Any = None) -> tuple[Batch, dict[str, float]]:
         """Step ``step`` (:func:`rl_core.ppo_step.run_ppo_step`) on the session's workers, data, reward and KL
-        controller; its stages run through ``run_stage`` (default: as Prefect tasks, flows.stages.StageRunner)."""
+        controller; its stages run through ``run_stage`` (default: the session's flows.stages.StageRunner, which
+        reports them as Prefect task runs)."""
         inputs, progress = self.inputs, self.progress
         return run_ppo_step(
             self.config,

@@ -1,84 +1,238 @@
-"""The PPO step's stages as Prefect tasks: the stage runner the training flow gives
+"""The PPO step's stages as Prefect task runs: the stage runner the training flow gives
 :func:`rl_core.ppo_step.run_ppo_step`.
 
-Each stage function of ``rl_core.ppo_step`` becomes one task of the same name, so the Prefect UI shows one task run
-per stage per step, named by its step (``step-12/generate``), with the data dependencies between them (a stage's inputs
-are earlier stages' outputs). The run's other phases are tasks too (:func:`run_phase`: ``load-inputs``, ``set-up``,
-``step-12/validate``, ``step-12/save_checkpoint``), so the graph covers the whole run. The batch never crosses a
-persisted boundary (``NO_CACHE``, ``persist_result=False``): it stays in the flow process and Ray's object store.
+A stage is called plainly, in the flow's thread, and *reported* to Prefect as a task run: its state changes
+(Running, Completed; Failed with its error; AwaitingRetry and Retrying when retried; no Pending, which would last
+microseconds), with their real timestamps, go on a queue that a background thread (:class:`TaskRunReporter`) turns
+into the events Prefect's own task engine emits, from which the server records the task run. So the Prefect UI shows
+what it showed when each stage ran as a Prefect task — one task run per stage per step, named by its step
+(``step-12/generate``), its duration, the data dependencies between the stages (a stage's argument that is an
+earlier stage's output), a failed stage as Failed with its error, a retry as a retry — at ~0.03 ms of the step's
+critical path per stage instead of Prefect's task engine's ~3-4.5 ms (bench/README.md, "step_overhead"). The run's
+other phases are reported the same way (:func:`run_phase`: ``load-inputs``, ``set-up``, ``step-12/validate``,
+``step-12/save_checkpoint``), so the graph covers the whole run. The batch never leaves the flow process and Ray's
+object store.
 
 Idempotent stages (generation is seeded by the step; log-probs and values are pure functions of the weights) are
-retried on transient errors; updates are not (the flow recovers those from the last checkpoint instead), and a
+retried here on transient errors; updates are not (the flow recovers those from the last checkpoint instead), and a
 dead or timed-out worker is never retried here: the flow rebuilds the worker group.
+
+The events are made by ``prefect.utilities.engine.emit_task_run_state_change_event``, the function Prefect's task
+engine uses (same payload, whatever Prefect version is installed; pyproject pins the range a test reads runs back in).
 """
 
 from __future__ import annotations
 
+import contextvars
+import inspect
+import logging
+import queue
+import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
 from typing import Any
+from uuid import UUID, uuid4
 
-from prefect import Task, task
-from prefect.cache_policies import NO_CACHE
+from prefect import states
+from prefect.client.schemas.objects import TaskRun, TaskRunPolicy, TaskRunResult
+from prefect.context import FlowRunContext
 
 from infra.worker_group import WorkerDiedError, WorkerTimeoutError
 from rl_core import ppo_step
+
+RETRY_DELAY_S = 1.0  # between a failed attempt of an idempotent stage and its retry
+TASK_RUNS = {"started": 0}  # the task runs this process reported (its Prefect server records as many)
+LOG = logging.getLogger("ppoflow")
 
 
 def retryable(error: BaseException) -> bool:
     """Transient errors are retried in place; a dead or timed-out worker needs the group rebuilt, which the flow does
     (a retry would reach a dead worker, or queue behind the stale call)."""
-    return not isinstance(error, (WorkerDiedError, WorkerTimeoutError))
+    return isinstance(error, Exception) and not isinstance(error, (WorkerDiedError, WorkerTimeoutError))
 
 
-def _retry_condition(task: Any, task_run: Any, state: Any) -> bool:
-    try:
-        state.result()
-    except Exception as error:
-        return retryable(error)
-    return False
+@dataclass
+class ReportedRun:
+    """One call of a stage or phase, as the task run it is reported as."""
+
+    task_name: str
+    run_name: str
+    retries: int
+    inputs: dict[str, list[UUID]]  # argument name -> the task runs whose outputs it is
+    context: contextvars.Context  # the flow run's context: the events are related to its flow run
+    id: UUID = field(default_factory=uuid4)
+    task_run: TaskRun | None = None  # the reporter's record of it, made on its first state
+    last_state: states.State | None = None
+    last_event: Any = None
 
 
-def stage_task(
-    name: str,
-    fn: Callable,
-    retries: int,
-    retry_safe: tuple[str, ...] = ppo_step.IDEMPOTENT_STAGES,
-    run_name: Callable[[], str] | None = None,
-) -> Task:
-    """The Prefect task ``name`` running ``fn``, its runs named by ``run_name()``; a stage of ``retry_safe`` is retried
-    ``retries`` times."""
-    options: dict[str, Any] = {"name": name, "cache_policy": NO_CACHE, "persist_result": False}
-    if run_name is not None:
-        options["task_run_name"] = run_name
-    if name in retry_safe and retries > 0:
-        options.update(retries=retries, retry_delay_seconds=1, retry_condition_fn=_retry_condition)
-    return task(fn, **options)
+class TaskRunReporter(threading.Thread):
+    """Turns the state changes the flow's thread queued into Prefect task-run events, in order, off its path."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True, name="ppoflow-task-run-reporter")
+        self.changes: queue.Queue[tuple[ReportedRun, str, datetime, str | None]] = queue.Queue()
+        self.warned = False
+
+    def report(self, run: ReportedRun, state_name: str, message: str | None = None) -> None:
+        self.changes.put((run, state_name, datetime.now(timezone.utc), message))
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s``) until every queued change was emitted; whether it was."""
+        deadline = time.monotonic() + timeout_s
+        while self.changes.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not self.changes.unfinished_tasks
+
+    def run(self) -> None:
+        while True:
+            run, state_name, when, message = self.changes.get()
+            try:
+                run.context.run(self.emit, run, state_name, when, message)
+            except Exception as error:  # reporting never fails a run; said once
+                if not self.warned:
+                    LOG.warning("could not report task run %s to Prefect: %s", run.run_name, error)
+                    self.warned = True
+            finally:
+                self.changes.task_done()
+
+    @staticmethod
+    def emit(run: ReportedRun, state_name: str, when: datetime, message: str | None) -> None:
+        """What Prefect's task engine does on a state change (``TaskRunEngine.set_state``), at ``when``."""
+        from prefect.utilities.engine import emit_task_run_state_change_event
+
+        state = make_state(state_name, when, message)
+        if run.last_state is not None and state.timestamp <= run.last_state.timestamp:  # a unique, ordered timestamp
+            state.timestamp = run.last_state.timestamp + timedelta(microseconds=1)
+        if run.task_run is None:
+            flow_run = FlowRunContext.get().flow_run
+            run.task_run = TaskRun(
+                id=run.id,
+                name=run.run_name,
+                flow_run_id=flow_run.id,
+                flow_run_run_count=flow_run.run_count,
+                task_key=run.task_name,
+                dynamic_key=str(run.id),
+                empirical_policy=TaskRunPolicy(retries=run.retries, retry_delay=RETRY_DELAY_S),
+                task_inputs={name: [TaskRunResult(id=i) for i in ids] for name, ids in run.inputs.items()},
+                expected_start_time=when,
+            )
+        task_run, last = run.task_run, run.last_state
+        state.state_details.task_run_id, state.state_details.flow_run_id = task_run.id, task_run.flow_run_id
+        task_run.state, task_run.state_id, task_run.state_type, task_run.state_name = (
+            state,
+            state.id,
+            state.type,
+            state.name,
+        )
+        if last is not None and last.is_running():
+            task_run.total_run_time += state.timestamp - last.timestamp
+        if state.is_running():
+            task_run.run_count += 1
+            task_run.start_time = task_run.start_time or state.timestamp
+        if state.is_final():
+            task_run.end_time = state.timestamp
+        run.last_event = emit_task_run_state_change_event(
+            task_run=task_run, initial_state=last, validated_state=state, follows=run.last_event
+        )
+        run.last_state = state
 
 
-TASK_RUNS = {"started": 0}  # the task runs this process started (its Prefect server records as many)
+def make_state(name: str, when: datetime, message: str | None) -> states.State:
+    """Prefect's state ``name`` at ``when`` (AwaitingRetry is scheduled RETRY_DELAY_S later)."""
+    if name == "AwaitingRetry":
+        state = states.AwaitingRetry(scheduled_time=when + timedelta(seconds=RETRY_DELAY_S), message=message)
+    else:
+        state = getattr(states, name)(message=message)
+    state.timestamp = when
+    return state
+
+
+REPORTER = TaskRunReporter()  # started on first use
+
+
+def flush_reported_runs(timeout_s: float = 10.0) -> bool:
+    """Every task run reported so far has reached Prefect's events client (at most ``timeout_s``); whether all did."""
+    return not REPORTER.is_alive() or REPORTER.flush(timeout_s)
+
+
+def failure_message(error: BaseException) -> str:
+    return f"Task run encountered an exception {type(error).__name__}: {error}"
+
+
+def call_reported(
+    task_name: str, run_name: str, fn: Callable, args: tuple, retries: int = 0, inputs: dict | None = None
+) -> Any:
+    """``fn(*args)``, in this thread, reported as the task run ``run_name`` of the task ``task_name`` when a flow run
+    is in progress; a transient error is retried up to ``retries`` times, RETRY_DELAY_S apart."""
+    TASK_RUNS["started"] += 1
+    run = None
+    flow_run_context = FlowRunContext.get()
+    if flow_run_context is not None and flow_run_context.flow_run is not None:
+        run = ReportedRun(task_name, run_name, retries, inputs or {}, contextvars.copy_context())
+        if not REPORTER.is_alive():
+            REPORTER.start()
+    attempt = 0
+    while True:
+        if run is not None:
+            REPORTER.report(run, "Running" if attempt == 0 else "Retrying")
+        try:
+            result = fn(*args)
+        except BaseException as error:
+            if attempt < retries and retryable(error):
+                attempt += 1
+                retry = f"Retry {attempt}/{retries} will start {RETRY_DELAY_S:g} second(s) from now"
+                LOG.warning("%s failed (%s): %s", run_name, failure_message(error), retry)
+                if run is not None:
+                    REPORTER.report(run, "AwaitingRetry", retry)
+                time.sleep(RETRY_DELAY_S)
+                continue
+            if run is not None:
+                REPORTER.report(run, "Failed" if isinstance(error, Exception) else "Crashed", failure_message(error))
+            raise
+        if run is not None:
+            REPORTER.report(run, "Completed")
+        return result, run
 
 
 class StageRunner:
-    """``runner(name, fn, *args)`` runs the stage function ``fn`` as the Prefect task ``name`` (one task object per
-    stage function, made on first use), its run named ``step-<step>/<name>`` after the runner's current :attr:`step`;
-    the stages of ``retry_safe`` are retried ``retries`` times."""
+    """``runner(name, fn, *args)`` calls the stage function ``fn``, reported as a task run of the task ``name`` named
+    ``step-<step>/<name>`` after the runner's current :attr:`step`, its inputs linked to the earlier stages of the
+    step whose outputs they are; the stages of ``retry_safe`` are retried ``retries`` times."""
 
     def __init__(self, retries: int, retry_safe: tuple[str, ...] = ppo_step.IDEMPOTENT_STAGES):
         self.retries, self.retry_safe = retries, retry_safe
         self.step = 0  # the step the next task runs belong to (the session sets it)
-        self.tasks: dict[tuple[str, Callable], Task] = {}
+        self.outputs: dict[int, tuple[Any, UUID]] = {}  # id(output) -> (the output, its task run): this step's
+        self.outputs_step = 0
+        self.parameters: dict[Callable, list[str]] = {}  # a stage function's parameter names
 
     def __call__(self, name: str, fn: Callable, *args: Any) -> Any:
-        if (name, fn) not in self.tasks:
-            run_name = lambda: f"step-{self.step}/{name}"  # noqa: E731 (read when the task run starts)
-            self.tasks[(name, fn)] = stage_task(name, fn, self.retries, self.retry_safe, run_name)
-        TASK_RUNS["started"] += 1
-        return self.tasks[(name, fn)](*args)
+        if self.outputs_step != self.step:
+            self.outputs, self.outputs_step = {}, self.step
+        retries = self.retries if name in self.retry_safe else 0
+        result, run = call_reported(name, f"step-{self.step}/{name}", fn, args, retries, self.upstream(fn, args))
+        if run is not None:  # an output, or an item of a tuple output, passed to a later stage links the two
+            for output in (result, *result) if isinstance(result, tuple) else (result,):
+                self.outputs[id(output)] = (output, run.id)
+        return result
+
+    def upstream(self, fn: Callable, args: tuple) -> dict[str, list[UUID]]:
+        """The arguments that are earlier stages' outputs, by parameter name."""
+        if fn not in self.parameters:
+            self.parameters[fn] = list(inspect.signature(fn).parameters)
+        names = self.parameters[fn]
+        inputs = {}
+        for i, arg in enumerate(args):
+            output, run_id = self.outputs.get(id(arg), (None, None))
+            if run_id is not None and output is arg:
+                inputs[names[i] if i < len(names) else f"arg{i}"] = [run_id]
+        return inputs
 
 
 def run_phase(name: str, fn: Callable, *args: Any, step: int | None = None) -> Any:
-    """A phase of the run besides the step's stages (loading the inputs, set-up, validation, a checkpoint) as a task
-    run named ``name``, or ``step-<step>/<name>``; never retried here (the flow recovers)."""
-    TASK_RUNS["started"] += 1
-    run_name = name if step is None else f"step-{step}/{name}"
-    return task(fn, name=name, task_run_name=run_name, cache_policy=NO_CACHE, persist_result=False)(*args)
+    """A phase of the run besides the step's stages (loading the inputs, set-up, validation, a checkpoint), reported
+    as a task run named ``name``, or ``step-<step>/<name>``; never retried here (the flow recovers)."""
+    return call_reported(name, name if step is None else f"step-{step}/{name}", fn, args)[0]

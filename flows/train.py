@@ -4,7 +4,7 @@ One flow run = one training run, read top to bottom in :func:`run_training`:
 
 1. inputs: the demo assets (when no model is named), data and reward, checked before anything starts;
 2. the session (flows/session.py): checkpoint folder, MLflow run, workers, resumed from the latest checkpoint;
-3. the loop: one PPO step (:func:`rl_core.ppo_step.run_ppo_step`, one Prefect task per stage: generate -> reward ->
+3. the loop: one PPO step (:func:`rl_core.ppo_step.run_ppo_step`, one Prefect task run per stage: generate -> reward ->
    old_log_prob -> ref_log_prob -> values -> advantage -> update_critic -> update_actor), validation when due,
    then metrics, samples and the checkpoint;
 4. the final policy, uploaded as an MLflow model.
@@ -46,7 +46,7 @@ def run_training(config: DictConfig, tags: dict[str, str] | None = None) -> dict
         while session.progress.global_step < session.total_steps:
             step = session.progress.global_step + 1
             with session.step(step):  # a dead worker: the group is rebuilt and the loop rewinds to the checkpoint
-                batch, metrics = session.ppo_step(step)  # rl_core.ppo_step.run_ppo_step, stages as Prefect tasks
+                batch, metrics = session.ppo_step(step)  # run_ppo_step; each stage reported as a Prefect task run
                 if every(step, config.trainer.test_freq, session.total_steps):
                     metrics.update(session.validate())
                 session.record(step, batch, metrics)

@@ -4,7 +4,7 @@ The flow (Prefect tasks on a Ray worker group), the tests and the benchmark all 
 differs is the *stage runner* and the *workers*:
 
 * ``run_stage(name, fn, *args)`` calls the stage function ``fn`` — :func:`run_directly` calls it, the flow's runner
-  calls it as the Prefect task ``name``;
+  calls it and reports it as a Prefect task run of the task ``name``;
 * :class:`StepWorkers` holds the role objects the stages call (``actor.update_actor(batch)``...): in-process
   workers, or handles that dispatch to a Ray worker group.
 

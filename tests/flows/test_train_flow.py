@@ -162,10 +162,9 @@ def test_resume_gives_the_same_run_as_training_straight(run_overrides, tmp_path)
     rloo = run_overrides("trainer.total_training_steps=5", "algorithm.adv_estimator=rloo", *settings, folder=split)
     with pytest.raises(ResumeRefused, match="algorithm.adv_estimator: grpo -> rloo.*resume_allow_config_change"):
         train(overrides=rloo)
-    started = time.monotonic()
     cli = subprocess.run([sys.executable, "-m", "flows.cli", "train", *rloo], capture_output=True, text=True)
     assert cli.returncode == 2 and "algorithm.adv_estimator: grpo -> rloo" in cli.stderr, cli.stderr
-    assert time.monotonic() - started < 10
+    assert "Beginning flow run" not in cli.stdout + cli.stderr  # refused before the flow (and Prefect) started
     cli = subprocess.run(
         [
             sys.executable,
@@ -268,10 +267,8 @@ def test_a_dangling_pointer_is_an_error_not_a_fresh_start(run_overrides, tmp_pat
 )
 def test_bad_config_fails_before_any_worker_starts(run_overrides, override, message):
     before = {(a["namespace"], a["name"]) for a in ray.util.list_named_actors(all_namespaces=True)}
-    started = time.monotonic()
     with pytest.raises(ConfigError, match=message):
         train(overrides=run_overrides(override))
-    assert time.monotonic() - started < 30
     assert {(a["namespace"], a["name"]) for a in ray.util.list_named_actors(all_namespaces=True)} == before
 
 
