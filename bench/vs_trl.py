@@ -37,14 +37,24 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
 
-def demo_assets(cache: str) -> tuple[str, str, str]:
-    """(model folder, train file, val file) of the embedded demo, built once in ``cache``."""
+COMPUTE_BOUND_MODEL = {"hidden_size": 512, "num_layers": 6}  # a Qwen2 of ~24M parameters (with the demo tokenizer)
+
+
+def demo_assets(cache: str, compute_bound: bool = False) -> tuple[str, str, str]:
+    """(model folder, train file, val file) of the embedded demo, built once in ``cache``; ``compute_bound``: a
+    randomly initialised ~24M-parameter Qwen2 with the demo's tokenizer instead of the SFT-warm-started tiny model."""
     from flows.config import compose_config
     from flows.demo import ensure_demo_data, ensure_demo_model
+    from rl_core.models.tiny import make_tiny_model
 
     config = compose_config([f"trainer.cache_dir={cache}"])
     train, val = ensure_demo_data(config)
-    return ensure_demo_model(config), train, val
+    if not compute_bound:
+        return ensure_demo_model(config), train, val
+    model = Path(cache) / "vs-trl-qwen2-24m"
+    if not (model / "config.json").exists():
+        make_tiny_model(model, seed=0, max_operand=config.data.synthetic.max_operand, **COMPUTE_BOUND_MODEL)
+    return str(model), train, val
 
 
 def greedy_accuracy(model_dir: str, val_file: str) -> float:
@@ -83,6 +93,7 @@ def run_ppoflow(args: argparse.Namespace, folder: str, model: str, train: str, v
             f"actor_rollout_ref.model.path={model}",
             f"data.train_files={train}",
             f"data.val_files={val}",
+            *([f"data.max_response_length={args.response_length}"] if args.response_length else []),
             "actor_rollout_ref.actor.use_kl_loss=false",
             "actor_rollout_ref.actor.recompute_old_log_prob=false",
             f"trainer.total_training_steps={args.steps}",
@@ -184,7 +195,7 @@ def run_trl_grpo(args: argparse.Namespace, folder: str, model: str, train: str, 
         output_dir=f"{folder}/trl",
         per_device_train_batch_size=args.prompts * args.n,
         num_generations=args.n,
-        max_completion_length=demo.data.max_response_length,
+        max_completion_length=args.response_length or demo.data.max_response_length,
         learning_rate=demo.actor_rollout_ref.actor.optim.lr,
         lr_scheduler_type="constant",
         beta=0.0,
@@ -269,7 +280,7 @@ def run_trl_ppo(args: argparse.Namespace, folder: str, model: str, train: str, v
         num_mini_batches=1,
         total_episodes=size * args.steps,
         local_rollout_forward_batch_size=size,
-        response_length=demo.data.max_response_length,
+        response_length=args.response_length or demo.data.max_response_length,
         stop_token="eos",
         temperature=1.0,
         learning_rate=demo.actor_rollout_ref.actor.optim.lr,
@@ -359,10 +370,16 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5, help="leading steps left out of the step median")
     parser.add_argument("--cache", default=str(ROOT / ".ppoflow"), help="where the demo model and data are built")
     parser.add_argument("--only", nargs="+", choices=list(RUNS), help="run only these rows")
+    parser.add_argument(
+        "--compute-bound",
+        action="store_true",
+        help="a random ~24M-parameter Qwen2 (its responses run to the limit) instead of the tiny demo model",
+    )
+    parser.add_argument("--response-length", type=int, help="new tokens per response (default: the demo's 8)")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    model, train, val = demo_assets(args.cache)
+    model, train, val = demo_assets(args.cache, args.compute_bound)
     if args.one:  # a child: one run, its result to --out
         with tempfile.TemporaryDirectory() as folder:
             result = RUNS[args.one](args, folder, model, train, val)
@@ -370,10 +387,14 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(result))
         return
     argv = [f"--steps={args.steps}", f"--prompts={args.prompts}", f"--n={args.n}", f"--cache={args.cache}"]
+    argv += ["--compute-bound"] * args.compute_bound + [f"--response-length={args.response_length}"] * bool(
+        args.response_length
+    )
     before = greedy_accuracy(model, val)
     rows = {name: summary(measure(name, argv), args.warmup) for name in args.only or RUNS}
     print(
-        f"demo task, {args.steps} steps of {args.prompts} prompts x {args.n} responses; greedy validation accuracy "
+        f"demo task{', a random ~24M Qwen2' if args.compute_bound else ''}, {args.steps} steps of {args.prompts} "
+        f"prompts x {args.n} responses of at most {args.response_length or 8} new tokens; greedy validation accuracy "
         f"before training {before:.3f}"
     )
     print(f"{'run':<14}{'step median (s)':>16}{'tokens/s':>10}{'peak RSS (GB)':>15}{'val accuracy':>14}")
@@ -395,6 +416,8 @@ def main() -> None:
                 "steps": args.steps,
                 "prompts": args.prompts,
                 "n": args.n,
+                "compute_bound": args.compute_bound,
+                "response_length": args.response_length,
                 "val_accuracy_before": round(before, 4),
                 **rows,
                 **ratios,

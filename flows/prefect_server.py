@@ -39,8 +39,8 @@ class _WithoutTraceback(logging.Filter):
 
 
 def console_without_tracebacks() -> None:
-    """A failed task run prints one line on the console, like the command's own failure line (the traceback stays in
-    the task run's Logs tab in Prefect, and in the command's log file)."""
+    """A failed flow run prints one line on the console, like the command's own failure line (the traceback stays in
+    the flow run's Logs tab in Prefect, and in the command's log file; the failed stage's task run holds the error)."""
     import prefect.main  # noqa: F401 (sets up Prefect's logging: the console handler on the root logger)
     from prefect.logging.handlers import PrefectConsoleHandler
 

@@ -182,8 +182,14 @@ class TrainingSession:
             tracker.run_id,
             self.checkpoints.root,
         )
+        started = time.perf_counter()
         connect(config.trainer.ray.address, num_cpus=config.trainer.ray.num_cpus)
+        connected = time.perf_counter()
         reuse_weights = self._get_workers(point)
+        log(
+            f"set-up: Ray {connected - started:.1f} s (waited for), workers {time.perf_counter() - connected:.1f} s "
+            f"({self.group.world_size} rank(s): {', '.join(self.group.roles)})"
+        )
         if point is not None:
             self._restore(point.folder, load_weights=not reuse_weights)
             if point.changes:

@@ -18,6 +18,8 @@ from flows.prefect_server import (
     stop_temporary_server,
 )
 
+LAUNCHED = time.monotonic()  # the command line's modules are light: this is when the command began
+
 
 def prefect_and_stack(args: argparse.Namespace) -> str:
     """Prefect's settings, then the stack's services when it is up (PREFECT_API_URL: set before Prefect is imported,
@@ -29,8 +31,16 @@ def prefect_and_stack(args: argparse.Namespace) -> str:
     return stack
 
 
+def phase(args: argparse.Namespace, done: str) -> None:
+    """With ``--verbose``: when a start-up phase ended, in seconds since the command began (the flow's own lines carry
+    their clock time)."""
+    if args.verbose:
+        print(f"ppoflow {args.command}: {time.strftime('%H:%M:%S')} +{time.monotonic() - LAUNCHED:.1f} s {done}")
+
+
 def _train(args: argparse.Namespace) -> int:
     print(f"ppoflow train: using {prefect_and_stack(args)}", flush=True)
+    phase(args, "Prefect and the stack configured")
     from flows.config import ConfigError, compose_config
     from flows.resume import ResumeRefused, check_resume
     from rl_core.input_checks import InputError, check_run_inputs
@@ -44,6 +54,7 @@ def _train(args: argparse.Namespace) -> int:
     except (ConfigError, InputError, ResumeRefused) as error:
         print("\n".join(f"ppoflow train: {line}" for line in str(error).splitlines()), file=sys.stderr)
         return 2
+    phase(args, "config, inputs and resume checked")
     if finished is not None:
         print(
             f"ppoflow train: run {finished['run_id']} already finished at step {finished['step']}; raise "
@@ -62,7 +73,9 @@ def _train(args: argparse.Namespace) -> int:
     from flows.train import summary_line, train
 
     overrides = hide_secret_overrides(args.overrides)  # a secret override never becomes a stored flow-run parameter
+    phase(args, "the flow's modules imported")
     server_ready()
+    phase(args, "Prefect's server up (the set-up line gives Ray's and the workers' times)")
     result = train.with_options(retries=args.retries, retry_delay_seconds=5)(overrides=overrides)
     print(summary_line(result))
     return 0
@@ -207,7 +220,8 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     flow_options.add_argument(
         "--verbose",
         action="store_true",
-        help="print a failure's traceback (it is always written to $PPOFLOW_HOME/logs/, default ~/.ppoflow/logs/)",
+        help="print a failure's traceback (it is always written to $PPOFLOW_HOME/logs/, default ~/.ppoflow/logs/) and "
+        "the start-up phases' times",
     )
     train = commands.add_parser(
         "train",

@@ -75,9 +75,13 @@ def test_up_status_train_down(stack_env, tmp_path, demo_cache):
         "trainer.total_training_steps=1",
         "trainer.test_freq=-1",
     ]
-    trained = ppoflow(stack_env, "train", *overrides, timeout=600, cwd=work)
+    trained = ppoflow(stack_env, "train", "--verbose", *overrides, timeout=600, cwd=work)
     assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
     assert trained.stdout.splitlines()[0].startswith("ppoflow train: using the ppoflow stack")
+    # --verbose: the start-up phases, in seconds since the command began, in order; the set-up line has the rest
+    phases = [line.split(" s ", 1)[1] for line in trained.stdout.splitlines() if " +" in line and " s " in line]
+    assert phases[:2] == ["Prefect and the stack configured", "config, inputs and resume checked"], phases
+    assert "set-up: Ray " in trained.stdout + trained.stderr
     result = json.loads(trained.stdout.strip().splitlines()[-1])
     assert result["tracking_uri"] == f"http://127.0.0.1:{ports['mlflow']}"
     assert MlflowClient(result["tracking_uri"]).get_run(result["run_id"]).info.status == "FINISHED"
