@@ -151,6 +151,13 @@ def make_state(name: str, when: datetime, message: str | None) -> states.State:
 
 
 REPORTER = TaskRunReporter()  # started on first use
+_STARTING = threading.Lock()
+
+
+def start_reporter() -> None:
+    with _STARTING:  # two flows' threads (a sweep's children) may report their first task runs at once
+        if not REPORTER.is_alive():
+            REPORTER.start()
 
 
 def flush_reported_runs(timeout_s: float = 10.0) -> bool:
@@ -164,16 +171,16 @@ def failure_message(error: BaseException) -> str:
 
 def call_reported(
     task_name: str, run_name: str, fn: Callable, args: tuple, retries: int = 0, inputs: dict | None = None
-) -> Any:
+) -> tuple[Any, ReportedRun | None]:
     """``fn(*args)``, in this thread, reported as the task run ``run_name`` of the task ``task_name`` when a flow run
-    is in progress; a transient error is retried up to ``retries`` times, RETRY_DELAY_S apart."""
+    is in progress; a transient error is retried up to ``retries`` times, RETRY_DELAY_S apart. Returns (the result,
+    its reported run, None outside a flow run)."""
     TASK_RUNS["started"] += 1
     run = None
     flow_run_context = FlowRunContext.get()
     if flow_run_context is not None and flow_run_context.flow_run is not None:
         run = ReportedRun(task_name, run_name, retries, inputs or {}, contextvars.copy_context())
-        if not REPORTER.is_alive():
-            REPORTER.start()
+        start_reporter()
     attempt = 0
     while True:
         if run is not None:
