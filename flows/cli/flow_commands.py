@@ -238,6 +238,26 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
         "checkpoint, reattaching to its workers (default 0)",
     )
     train.set_defaults(run=run_flow_command, flow_command=_train)
+    _add_sweep(commands, flow_options)
+    evaluate = commands.add_parser(
+        "evaluate",
+        parents=[flow_options],
+        help="greedy and sampled validation of a checkpoint (global_step_N) or models:/<name>/<version>, in its own "
+        "MLflow run",
+    )
+    evaluate.add_argument(
+        "source", help="a global_step_N checkpoint folder (or its actor folder), or models:/<name>/<version>"
+    )
+    evaluate.add_argument(
+        "overrides", nargs="*", help="Hydra overrides of the training run's config (e.g. data.val_files=...)"
+    )
+    evaluate.add_argument("--samples", type=int, default=8, help="sampled responses per prompt (mean@n, pass@k)")
+    evaluate.add_argument("--temperature", type=float, default=1.0)
+    evaluate.set_defaults(run=run_flow_command, flow_command=_evaluate)
+
+
+def _add_sweep(commands: argparse._SubParsersAction, flow_options: argparse.ArgumentParser) -> None:
+    """``sweep``: a Hydra grid or an Optuna search."""
     sweep = commands.add_parser(
         "sweep",
         parents=[flow_options],
@@ -260,18 +280,3 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     sweep.add_argument("--name", help="the sweep's name (default: from the overrides; the same name continues a sweep)")
     sweep.add_argument("--seed", type=int, default=0, help="the random/tpe sampler's seed")
     sweep.set_defaults(run=run_flow_command, flow_command=_sweep)
-    evaluate = commands.add_parser(
-        "evaluate",
-        parents=[flow_options],
-        help="greedy and sampled validation of a checkpoint (global_step_N) or models:/<name>/<version>, in its own "
-        "MLflow run",
-    )
-    evaluate.add_argument(
-        "source", help="a global_step_N checkpoint folder (or its actor folder), or models:/<name>/<version>"
-    )
-    evaluate.add_argument(
-        "overrides", nargs="*", help="Hydra overrides of the training run's config (e.g. data.val_files=...)"
-    )
-    evaluate.add_argument("--samples", type=int, default=8, help="sampled responses per prompt (mean@n, pass@k)")
-    evaluate.add_argument("--temperature", type=float, default=1.0)
-    evaluate.set_defaults(run=run_flow_command, flow_command=_evaluate)
