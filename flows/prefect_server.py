@@ -1,20 +1,29 @@
 """The Prefect API a command uses when no server is configured, and the settings every command gives Prefect.
 
 Without PREFECT_API_URL (and no ``ppoflow up`` stack) Prefect starts a temporary API server at a flow's first API
-call. :func:`start_temporary_server` starts that server early instead, in a thread, so that it boots while the run's
-modules import, and at the lowest CPU priority (``infra.stack.LOWEST_PRIORITY``): it records task runs from their
-events asynchronously, and at normal priority on a small CPU machine it preempts the workers mid-stage. Prefect's
-clients then find the running server (it is a per-process singleton).
+call. :func:`start_temporary_server` starts that server early instead: it launches the server's process at once (the
+command Prefect runs for it: uvicorn serving ``prefect.server.api.server:create_app``), so that it boots while the
+run's modules import, and hands it to Prefect as its temporary server (Prefect's ``SubprocessASGIServer``, a
+per-process singleton that its clients find) from a thread, since importing Prefect's server module takes seconds.
+Once it answers it runs at the lowest CPU priority (``infra.stack.LOWEST_PRIORITY``): it records task runs from their
+events asynchronously, and at normal priority on a small CPU machine it preempts the workers mid-stage.
 """
 
 from __future__ import annotations
 
+import atexit
+import importlib.util
 import logging
 import os
+import random
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
+from pathlib import Path
 
 
 def configure_prefect() -> None:
@@ -53,25 +62,83 @@ STARTED: dict[str, object] = {}  # the temporary server this process started ("s
 FINAL_STATES = ["COMPLETED", "FAILED", "CRASHED", "CANCELLED"]
 
 
-def start_temporary_server() -> Callable[[], None]:
-    """Start Prefect's temporary server in a thread; returns the wait for it, to call before the flow runs (nothing to
-    wait for when PREFECT_API_URL is set)."""
+# what Prefect's SubprocessASGIServer gives its process: no UI, the ephemeral server's optimisations
+TEMPORARY_SERVER_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+PORTS = range(8000, 9000)  # where Prefect looks for a free port for it
+
+
+def free_port(ports: range = PORTS) -> int:
+    for port in random.sample(ports, 20):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {ports.start}-{ports.stop - 1} for Prefect's temporary server")
+
+
+def server_command(port: int) -> list[str]:
+    """The command line of Prefect's temporary server on ``port`` (``SubprocessASGIServer``'s, found without importing
+    Prefect)."""
+    prefect_dir = Path(importlib.util.find_spec("prefect").origin).parent
+    app = "prefect.server.api.server:create_app"
+    options = ["--host", "127.0.0.1", "--port", str(port), "--log-level", "error", "--lifespan", "on"]
+    return [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect_dir.parent), "--factory", app, *options]
+
+
+def start_temporary_server(timeout_s: float = 120.0) -> Callable[[], None]:
+    """Launch Prefect's temporary server now and hand it to Prefect from a thread; returns the wait for it (until it
+    answers), to call before the flow runs (nothing to wait for when PREFECT_API_URL is set). Its process gets this
+    process's environment, Prefect's settings included."""
     if os.environ.get("PREFECT_API_URL"):
         return lambda: None
+    port = free_port()
+    process = subprocess.Popen(server_command(port), env={**os.environ, **TEMPORARY_SERVER_ENV})
+    since = datetime.now(timezone.utc)
 
-    def start() -> None:
+    def hand_over() -> None:
+        import httpx
         from prefect.server.api.server import SubprocessASGIServer
 
         from infra.stack import lower_priority
 
-        server = SubprocessASGIServer()
-        server.start()
-        lower_priority(server.server_process.pid)
-        STARTED.update(server=server, since=datetime.now(timezone.utc))
+        server = SubprocessASGIServer()  # what Prefect's clients use when no API URL is set
+        server.port, server.server_process, server.running = port, process, True
+        atexit.register(server.stop)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"Prefect's temporary server exited with code {process.returncode} while starting")
+            try:
+                if httpx.get(f"{server.api_url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Prefect's temporary server did not answer within {timeout_s:.0f} s")
+            time.sleep(0.1)
+        lower_priority(process.pid)
+        STARTED.update(server=server, since=since)
 
-    thread = threading.Thread(target=start, name="ppoflow-prefect-server", daemon=True)
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            hand_over()
+        except BaseException as error:  # raised by the wait, in the command's thread
+            process.kill()
+            failed.append(error)
+
+    thread = threading.Thread(target=run, name="ppoflow-prefect-server", daemon=True)
     thread.start()
-    return thread.join
+
+    def wait() -> None:
+        thread.join()
+        if failed:
+            raise failed[0]
+
+    return wait
 
 
 def stop_temporary_server(task_runs: int, timeout_s: float = 30.0) -> None:

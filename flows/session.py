@@ -9,9 +9,10 @@ the config is unchanged (reattached), else a fresh group; then restores the chec
 and :meth:`finish`. Leaving the block frees the workers (kept after a failure on a persistent cluster) and the folder;
 a failure marks the MLflow run FAILED (KILLED when told to stop).
 
-The workers live in a Ray namespace named after the MLflow run, so the next controller of the same run — a flow
-retry, or the command run again after a crash — finds them, and reloads their weights only when they moved past the
-checkpoint.
+The workers live in a Ray namespace named after the checkpoint folder (the MLflow run id recorded beside it), so the
+next controller of the same run — a flow retry, or the command run again after a crash — finds them, and reloads
+their weights only when they moved past the checkpoint. A fresh run started by ``ppoflow train`` finds its inputs,
+folder lock and workers made already, while Prefect's server booted (flows/prestart.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from prefect import runtime
 from prefect.context import FlowRunContext
 from prefect.exceptions import TerminationSignal
 
+from flows import prestart
+from flows.inputs import TrainingInputs, plan_steps
 from flows.prefect_view import PrefectRunView, mlflow_run_url, prefect_ui_url
 from flows.resume import (
     ResumePoint,
@@ -40,41 +43,23 @@ from flows.resume import (
 from flows.stages import StageRunner, flush_reported_runs, run_phase
 from flows.step_report import console_line, samples_table, validation_summary
 from flows.tracking import PREFECT_FLOW_RUN_TAG, PREFECT_UI_TAG, RunTracker, mark_killed, tracking_uri
-from flows.workers import build_workers, kill_worker_group, reattach_workers, run_namespace, step_workers, weights_at
+from flows.workers import (
+    RUN_LABEL,
+    WORKERS_NAMESPACE_TAG,
+    build_fresh_workers,
+    reattach_workers,
+    step_workers,
+    weights_at,
+    workers_namespace,
+)
 from infra.cluster import connect, is_persistent
 from infra.worker_group import WorkerDiedError, WorkerGroup, WorkerTimeoutError
-from rl_core.agent.tools.registry import tool_schemas
 from rl_core.algos.kl import get_kl_controller
 from rl_core.batch import Batch
 from rl_core.batch_fields import ATTENTION_MASK
-from rl_core.data.dataset import RLDataset
 from rl_core.data.sampler import ResumableSampler
-from rl_core.models.loading import load_policy_tokenizer
-from rl_core.ppo_step import StepWorkers, resolved_total_steps, retry_safe_stages, run_ppo_step, run_validation
-from rl_core.reward.custom import load_custom_reward_function
-from rl_core.reward.manager import RewardManager, build_reward_manager
+from rl_core.ppo_step import StepWorkers, retry_safe_stages, run_ppo_step, run_validation
 from rl_core.step_checkpoint import CheckpointError, FolderLock, StepCheckpoints
-
-
-@dataclass
-class TrainingInputs:
-    """What a run reads before anything starts: a bad input fails here, before any run exists."""
-
-    tokenizer: Any
-    train_data: RLDataset
-    val_data: RLDataset
-    reward_manager: RewardManager
-
-    @classmethod
-    def load(cls, config: DictConfig) -> TrainingInputs:
-        tokenizer = load_policy_tokenizer(config.actor_rollout_ref.model)
-        tools = tool_schemas(config.actor_rollout_ref.rollout.multi_turn)
-        return cls(
-            tokenizer,
-            RLDataset(config.data.train_files, tokenizer, config.data, config.data.train_max_samples, tools),
-            RLDataset(config.data.val_files, tokenizer, config.data, config.data.val_max_samples, tools),
-            build_reward_manager(config, tokenizer, load_custom_reward_function(**config.custom_reward_function)),
-        )
 
 
 @dataclass
@@ -119,9 +104,7 @@ class TrainingSession:
         """``tags`` go on a new MLflow run (a sweep's child carries ``mlflow.parentRunId``)."""
         self.config, self.inputs, self.tags = config, inputs, tags
         self.progress = Progress.fresh(config, len(inputs.train_data))
-        self.total_steps = resolved_total_steps(config, self.progress.sampler.batches_per_epoch)
-        config.actor_rollout_ref.actor.optim.total_training_steps = self.total_steps  # the LR schedules' length
-        config.critic.optim.total_training_steps = self.total_steps
+        self.total_steps = plan_steps(config, len(inputs.train_data))
         self.checkpoints = StepCheckpoints(config.trainer.default_local_dir, config.trainer.max_ckpt_to_keep)
         self.view = PrefectRunView(config.trainer.prefect_history_steps)
         self.timeout = config.trainer.worker_timeout_s
@@ -136,7 +119,9 @@ class TrainingSession:
 
     # ------------------------------------------------------------------ set-up and teardown
     def __enter__(self) -> TrainingSession:
-        self.folder_lock: FolderLock = self.checkpoints.lock({"run": self.config.trainer.experiment_name})
+        self.folder_lock: FolderLock = prestart.claim_lock(self.checkpoints.root) or self.checkpoints.lock(
+            {"run": self.config.trainer.experiment_name}
+        )
         try:
             point = find_resume_point(self.config, self.checkpoints, self.view.log)
             if point is not None and point.step > self.total_steps:
@@ -185,9 +170,14 @@ class TrainingSession:
         started = time.perf_counter()
         connect(config.trainer.ray.address, num_cpus=config.trainer.ray.num_cpus)
         connected = time.perf_counter()
-        reuse_weights = self._get_workers(point)
+        reuse_weights, built_before = self._get_workers(point)
+        built = (
+            f"built while Prefect's server started ({built_before:.1f} s)"
+            if built_before is not None
+            else f"{time.perf_counter() - connected:.1f} s"
+        )
         log(
-            f"set-up: Ray {connected - started:.1f} s (waited for), workers {time.perf_counter() - connected:.1f} s "
+            f"set-up: Ray {connected - started:.1f} s (waited for), workers {built} "
             f"({self.group.world_size} rank(s): {', '.join(self.group.roles)})"
         )
         if point is not None:
@@ -198,32 +188,45 @@ class TrainingSession:
             tracker.mark_running()
             log(f"resumed from {point.folder} (step {point.step}), MLflow run {tracker.run_id}")
 
-    def _get_workers(self, point: ResumePoint | None) -> bool:
-        """The run's live workers when there are any, the config is the checkpoint's and they were built from this
-        config (``ppoflow.workers_config``), else a fresh group (what another config left is killed first). True when
-        the reattached workers hold the checkpoint's weights already."""
-        reuse_weights = False
+    def _get_workers(self, point: ResumePoint | None) -> tuple[bool, float | None]:
+        """The workers: a fresh run's prestarted group (flows/prestart.py) when it was built from this config; for a
+        resumed run, its live workers when the config is the checkpoint's and they were built from this config
+        (``ppoflow.workers_config``); else a fresh group (what an earlier run of the folder left is killed first).
+        Returns whether the workers hold the checkpoint's weights already, and the seconds a prestarted group took."""
+        reuse_weights, built_before = False, None
         built_with = self.tracker.client.get_run(self.tracker.run_id).data.tags.get(WORKERS_CONFIG_TAG)
         same = point is not None and not point.changes and built_with == workers_config_digest(self.config)
-        # the namespace is keyed by the run: the next controller of this run finds them
-        self.group = reattach_workers(self.config, run_namespace(self.tracker.run_id)) if same else None
+        # the namespace is the folder's: the next controller of this run finds them
+        self.group = reattach_workers(self.config, workers_namespace(self.config)) if same else None
+        prestarted = prestart.claim_group(self.config) if point is None else None
         if self.group is not None:
             reuse_weights = weights_at(self.group, point.state, self.timeout)
             self.view.log(
                 f"reattached to the run's {self.group.world_size} live worker(s): "
                 + ("their weights are the checkpoint's" if reuse_weights else "reloading the checkpoint's weights")
             )
+        elif prestarted is not None:
+            self.group, notes, built_before = prestarted
+            for note in notes:
+                self.view.log(note)
+            self._tag_group()
         else:
-            if point is not None:
-                kill_worker_group(self.tracker.run_id)  # workers built with the old config never serve the new one
             self._build_group()
         self._use_group()
-        return reuse_weights
+        return reuse_weights, built_before
 
     def _build_group(self) -> None:
-        """A fresh worker group for the run, every model loaded; the run is tagged with the config it was built from."""
-        self.group = build_workers(self.config, run_namespace(self.tracker.run_id), log=self.view.log)
-        self.tracker.set_tags({WORKERS_CONFIG_TAG: workers_config_digest(self.config)})
+        """A fresh worker group for the run, every model loaded (an earlier group in the folder's namespace ended)."""
+        self.group = build_fresh_workers(self.config, log=self.view.log)
+        self._tag_group()
+
+    def _tag_group(self) -> None:
+        """The run and its workers name each other: the run's tags say where the workers are and which config they
+        were built from, the workers' label says which run they serve."""
+        self.group.label({RUN_LABEL: self.tracker.run_id}, self.timeout)
+        self.tracker.set_tags(
+            {WORKERS_CONFIG_TAG: workers_config_digest(self.config), WORKERS_NAMESPACE_TAG: self.group.namespace}
+        )
 
     def _use_group(self) -> None:
         self.tracker.set_tags({"ppoflow.worker_pids": ",".join(str(r["pid"]) for r in self.group.health(self.timeout))})

@@ -19,12 +19,14 @@ from omegaconf import DictConfig
 from prefect import flow
 from prefect.states import Failed
 
+from flows import prestart
 from flows.config import compose_config
 from flows.demo import apply_embedded_defaults
+from flows.inputs import TrainingInputs
 from flows.parameters import TrainSettings
 from flows.prefect_view import PrefectRunView, one_line
 from flows.secrets import secret_overrides
-from flows.session import TrainingInputs, TrainingSession, every
+from flows.session import TrainingSession, every
 from flows.stages import run_phase
 from flows.tracking import provenance_tags
 from rl_core.input_checks import check_run_inputs
@@ -58,10 +60,11 @@ def run_training(config: DictConfig, tags: dict[str, str] | None = None) -> dict
 
 def load_inputs(config: DictConfig) -> TrainingInputs:
     """The demo's assets when no model is named (built once, cached), then the model's tokenizer, the data and the
-    reward, each checked."""
+    reward, each checked (loaded already when ``ppoflow train`` prestarted this run: flows/prestart.py)."""
+    prestart.wait(inputs_only=True)  # a prestart building the demo's assets finishes first
     apply_embedded_defaults(config)
     check_run_inputs(config, tokenize=False)
-    return TrainingInputs.load(config)
+    return prestart.claim_inputs(config) or TrainingInputs.load(config)
 
 
 def training_overrides(settings: TrainSettings | None, overrides: list[str] | None) -> list[str]:

@@ -7,9 +7,12 @@ actor (together, in the fused ``actor_rollout_ref`` role), then the reward model
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import ray
 from omegaconf import DictConfig
@@ -22,11 +25,16 @@ from rl_core.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWork
 
 PREFIX = "workers"
 NAMESPACE_PREFIX = "ppoflow-run-"
+WORKERS_NAMESPACE_TAG = "ppoflow.workers_namespace"  # the MLflow run's tag naming its workers' namespace
+RUN_LABEL = "mlflow_run_id"  # the group's label naming the MLflow run it serves (beside the namespace)
 
 
-def run_namespace(run_id: str) -> str:
-    """The Ray namespace of a training run's workers (named after its MLflow run: stable across controllers)."""
-    return f"{NAMESPACE_PREFIX}{run_id}"
+def workers_namespace(config: DictConfig) -> str:
+    """The Ray namespace of a training run's workers, named after its checkpoint folder: known before the run's MLflow
+    run exists (so the workers can start first, flows/prestart.py) and the same for every controller of the run (one
+    at a time: the folder's lock). The MLflow run id is recorded beside it: the group's label, the run's tag."""
+    folder = Path(config.trainer.default_local_dir).expanduser().resolve()
+    return NAMESPACE_PREFIX + hashlib.sha256(str(folder).encode()).hexdigest()[:16]
 
 
 def worker_device(config: DictConfig) -> str:
@@ -87,6 +95,14 @@ def build_workers(
     return group
 
 
+def build_fresh_workers(config: DictConfig, log: Callable[[str], None] = print) -> WorkerGroup:
+    """:func:`build_workers` in the run's namespace, after ending whatever group an earlier run of the same folder left
+    there."""
+    namespace = workers_namespace(config)
+    WorkerGroup.kill_named(PREFIX, namespace)
+    return build_workers(config, namespace, log=log)
+
+
 def reattach_workers(config: DictConfig, namespace: str) -> WorkerGroup | None:
     """The run's live worker group (a retried flow run), or None when there is none or it is unhealthy."""
     try:
@@ -130,7 +146,8 @@ def step_workers(group: WorkerGroup, timeout_s: float, reward_timeout_s: float |
 # groups
 @dataclass
 class WorkerGroupInfo:
-    run_id: str
+    namespace: str
+    run_id: str  # the MLflow run the group serves; "?" when its workers are busy (a call is running) or unlabelled
     ranks: int
     pids: list[int]  # empty when the workers are busy (a call is running) and did not answer
     age_s: float | None
@@ -160,14 +177,16 @@ def worker_groups(tracking_uri: str | None = None, timeout_s: float = 5.0) -> li
                 for bundle in group["bundles"].values():
                     for key, amount in bundle.items():
                         resources[key] = resources.get(key, 0.0) + amount
+        labels = reports[0].get("labels", {}) if reports else {}
         info = WorkerGroupInfo(
-            namespace.removeprefix(NAMESPACE_PREFIX),
+            namespace,
+            labels.get(RUN_LABEL, "?"),
             len(names),
             sorted(r["pid"] for r in reports),
             time.time() - min(r["started_at"] for r in reports) if reports else None,
             resources,
         )
-        if client is not None:
+        if client is not None and info.run_id != "?":
             try:
                 info.run_status = client.get_run(info.run_id).info.status
             except Exception:
@@ -176,6 +195,20 @@ def worker_groups(tracking_uri: str | None = None, timeout_s: float = 5.0) -> li
     return groups
 
 
-def kill_worker_group(run_id: str) -> int:
-    """End a training run's workers and free their placement groups; returns how many workers were killed."""
-    return WorkerGroup.kill_named(PREFIX, run_namespace(run_id))
+def namespace_of_run(run_id: str, client: Any = None, groups: list[WorkerGroupInfo] | None = None) -> str | None:
+    """The namespace of MLflow run ``run_id``'s workers: the group labelled with it (of ``groups``), else the run's
+    ``ppoflow.workers_namespace`` tag (a busy group does not answer), else None."""
+    for group in groups or []:
+        if group.run_id == run_id:
+            return group.namespace
+    if client is not None:
+        try:
+            return client.get_run(run_id).data.tags.get(WORKERS_NAMESPACE_TAG)
+        except Exception:  # no such run in this store
+            return None
+    return None
+
+
+def kill_worker_group(namespace: str) -> int:
+    """End the worker group in ``namespace`` and free its placement groups; returns how many workers were killed."""
+    return WorkerGroup.kill_named(PREFIX, namespace)

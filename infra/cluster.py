@@ -102,6 +102,14 @@ def connect_in_background(address: str | None = None, num_cpus: int | None = Non
         _background = _BackgroundConnect(address, num_cpus)
 
 
+def connected() -> bool:
+    """Whether this process is connected to Ray, once a connection begun by :func:`connect_in_background` is done
+    (never connects itself: a local cluster lives as long as the thread that starts it)."""
+    if _background is not None:
+        _background.done.wait()
+    return ray.is_initialized()
+
+
 def _not_about_sigterm(record: logging.LogRecord) -> bool:
     return "SIGTERM handler is not set" not in record.getMessage()
 

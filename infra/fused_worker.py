@@ -42,6 +42,7 @@ class FusedWorkerBase:
     def __init__(self, role_specs: dict[str, RoleSpec]):
         self.roles = {role: cls(*args, **kwargs) for role, (cls, args, kwargs) in role_specs.items()}
         self.started_at = time.time()
+        self.labels: dict[str, str] = {}
 
     def master_address(self) -> tuple[str, int]:
         """This node's address and a free port, for rank 0 to host the process group's rendezvous."""
@@ -58,15 +59,21 @@ class FusedWorkerBase:
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master_addr, str(master_port)
         init_distributed_from_env(backend)
 
+    def set_labels(self, labels: dict[str, str]) -> None:
+        """What the controller says this worker serves (e.g. its training run), reported by :meth:`health`."""
+        self.labels.update(labels)
+
     def health(self) -> dict[str, Any]:
-        """Liveness and where the weights are: rank, pid, start time, and each role's number of updates done and begun
-        (they differ while an update runs, or after one failed half-way: the weights then match no checkpoint)."""
+        """Liveness and where the weights are: rank, pid, start time, labels, and each role's number of updates done
+        and begun (they differ while an update runs, or after one failed half-way: the weights then match no
+        checkpoint)."""
         return {
             "rank": int(os.environ.get("RANK", 0)),
             "world_size": int(os.environ.get("WORLD_SIZE", 1)),
             "pid": os.getpid(),
             "node": os.environ.get("PPOFLOW_NODE", ""),
             "started_at": self.started_at,
+            "labels": dict(self.labels),
             "steps_trained": {role: getattr(obj, "steps_trained", None) for role, obj in self.roles.items()},
             "updates_started": {role: getattr(obj, "updates_started", None) for role, obj in self.roles.items()},
         }

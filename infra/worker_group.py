@@ -159,6 +159,10 @@ class WorkerGroup:
         results = self._wait(refs, stage or method, timeout_s, self.names[: len(refs)])
         return collect_results(mode, results, pad_size)
 
+    def label(self, labels: dict[str, str], timeout_s: float = 10.0) -> None:
+        """Label every rank (their health reports carry the labels: which run the group serves)."""
+        self._wait([actor.set_labels.remote(labels) for actor in self.actors], "label", timeout_s, self.names)
+
     def health(self, timeout_s: float = 10.0) -> list[dict[str, Any]]:
         """Each rank's health report; WorkerDiedError / WorkerTimeoutError name the first bad worker."""
         return self._wait([actor.health.remote() for actor in self.actors], "health check", timeout_s, self.names)

@@ -171,10 +171,12 @@ def prompt_problems(config: Any) -> list[str]:
 
 
 def checkpoint_problems(config: Any) -> list[str]:
-    """The checkpoint folder held by another run; a damaged or missing ``resume_from_path``."""
+    """The checkpoint folder held by another process (this one holds it while ``ppoflow train`` prepares the run); a
+    damaged or missing ``resume_from_path``."""
     checkpoints = StepCheckpoints(config.trainer.default_local_dir)
     holder = checkpoints.holder()
-    problems = [f"trainer.default_local_dir: {checkpoints.in_use_message(holder)}"] if holder is not None else []
+    held_elsewhere = holder is not None and holder.get("pid") != os.getpid()
+    problems = [f"trainer.default_local_dir: {checkpoints.in_use_message(holder)}"] if held_elsewhere else []
     if config.trainer.resume_mode == "resume_path" and config.trainer.resume_from_path:
         try:
             checkpoints.check_intact(Path(config.trainer.resume_from_path).expanduser())

@@ -69,14 +69,20 @@ def _train(args: argparse.Namespace) -> int:
 
     connect_in_background(config.trainer.ray.address, config.trainer.ray.num_cpus)
     server_ready = start_temporary_server()
-    from flows.secrets import hide_secret_overrides
-    from flows.train import summary_line, train
+    from flows import prestart
 
-    overrides = hide_secret_overrides(args.overrides)  # a secret override never becomes a stored flow-run parameter
-    phase(args, "the flow's modules imported")
-    server_ready()
-    phase(args, "Prefect's server up (the set-up line gives Ray's and the workers' times)")
-    result = train.with_options(retries=args.retries, retry_delay_seconds=5)(overrides=overrides)
+    prestart.prestart(config)  # a fresh run's inputs and workers, in a thread
+    try:
+        from flows.secrets import hide_secret_overrides
+        from flows.train import summary_line, train
+
+        overrides = hide_secret_overrides(args.overrides)  # a secret override never becomes a stored flow-run parameter
+        phase(args, "the flow's modules imported")
+        server_ready()
+        phase(args, "Prefect's server up (the set-up line gives Ray's and the workers' times)")
+        result = train.with_options(retries=args.retries, retry_delay_seconds=5)(overrides=overrides)
+    finally:
+        prestart.release()  # what the flow did not take (a different config, an interrupt)
     print(summary_line(result))
     return 0
 

@@ -86,8 +86,8 @@ def _workers(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    from flows.tracking import DEFAULT_TRACKING_URI
-    from flows.workers import kill_worker_group, worker_groups
+    from flows.tracking import DEFAULT_TRACKING_URI, open_store
+    from flows.workers import kill_worker_group, namespace_of_run, worker_groups
     from infra.cluster import ClusterUnreachableError, connect
 
     try:
@@ -95,26 +95,32 @@ def _workers(args: argparse.Namespace) -> int:
     except ClusterUnreachableError as error:
         print(f"ppoflow workers: {error}", file=sys.stderr)
         return 2
-    groups = worker_groups(args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI)
+    tracking_uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+    groups = worker_groups(tracking_uri)
     if args.action == "list":
-        print(f"{'run':34} {'ranks':>5} {'age':>8}  {'resources':24} {'run status':10} pids")
+        print(f"{'run':34} {'ranks':>5} {'age':>8}  {'resources':24} {'run status':10} {'pids':12} namespace")
         for group in groups:
             age = f"{group.age_s / 60:.1f} min" if group.age_s is not None else "busy"
             resources = ", ".join(f"{k} {v:g}" for k, v in sorted(group.resources.items()))
             print(
                 f"{group.run_id:34} {group.ranks:>5} {age:>8}  {resources:24} {group.run_status:10} "
-                f"{' '.join(map(str, group.pids)) or 'busy'}"
+                f"{' '.join(map(str, group.pids)) or 'busy':12} {group.namespace}"
             )
         return 0
-    targets = [g.run_id for g in groups if g.run_status != "RUNNING"] if args.orphans else args.runs
+    if args.orphans:
+        targets = {g.run_id: g.namespace for g in groups if g.run_id != "?" and g.run_status != "RUNNING"}
+    else:
+        client = open_store(tracking_uri)
+        targets = {run_id: namespace_of_run(run_id, client, groups) for run_id in args.runs}
     if not targets:
         print(
             "nothing to kill: name runs (ppoflow workers kill RUN_ID ...) or --orphans (groups whose MLflow run is not "
             "running)"
         )
         return 0 if args.orphans else 2
-    for run_id in targets:
-        print(f"{run_id}: killed {kill_worker_group(run_id)} worker(s)")
+    for run_id, namespace in targets.items():
+        killed = kill_worker_group(namespace) if namespace else 0
+        print(f"{run_id}: killed {killed} worker(s)" + ("" if namespace else " (no workers of that run found)"))
     return 0
 
 

@@ -15,7 +15,7 @@ from mlflow.tracking import MlflowClient
 from flows.prefect_view import one_line
 from flows.tracking import open_store
 from flows.train import train
-from flows.workers import run_namespace
+from flows.workers import WORKERS_NAMESPACE_TAG
 from infra import stack, watchdog
 from rl_core.data.dataset import write_rows
 from rl_core.data.synthetic import addition_rows
@@ -267,6 +267,8 @@ def test_a_reward_function_that_hangs_fails_the_run_within_its_timeout(tmp_path,
     [run] = client.search_runs([client.get_experiment_by_name("ppoflow").experiment_id])
     assert run.info.status == "FAILED" and run.data.tags["ppoflow.error"].startswith("RewardTimeoutError")
     assert not [
-        a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == run_namespace(run.info.run_id)
+        a
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == run.data.tags[WORKERS_NAMESPACE_TAG]
     ]
     print(f"failed in {seconds:.1f} s (start-up included)")

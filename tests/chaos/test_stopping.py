@@ -15,7 +15,7 @@ from mlflow.tracking import MlflowClient
 from prefect.settings import PREFECT_API_URL
 
 from flows.train import train
-from flows.workers import run_namespace
+from flows.workers import WORKERS_NAMESPACE_TAG
 from infra import watchdog
 from tests.conftest import ROOT, small_run_overrides
 
@@ -181,7 +181,7 @@ def test_sigterm_stops_a_training_run_cleanly(tmp_path, demo_cache, ray_address,
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     [run] = client.search_runs([client.get_experiment_by_name("ppoflow").experiment_id])
     assert run.info.status == "KILLED"
-    namespace = run_namespace(run.info.run_id)
+    namespace = run.data.tags[WORKERS_NAMESPACE_TAG]
     assert [
         a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == namespace
     ] == []  # workers freed

@@ -16,17 +16,23 @@ from mlflow.tracking import MlflowClient
 from prefect.settings import PREFECT_API_URL
 
 from flows.train import train
-from flows.workers import NAMESPACE_PREFIX, kill_worker_group, run_namespace, worker_groups
+from flows.workers import kill_worker_group, namespace_of_run, worker_groups
 from tests.conftest import ROOT, small_run_overrides
 from tests.flows.conftest import metric_history
 
 COMPARED = ("actor/pg_loss", "actor/entropy", "critic/score/mean", "actor/grad_norm")
 
 
-def run_actors(run_id: str) -> list[str]:
-    return [
-        a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == run_namespace(run_id)
-    ]
+def run_namespace(tracking_uri: str, run_id: str) -> str:
+    """Where the run's workers live: its ``ppoflow.workers_namespace`` tag."""
+    namespace = namespace_of_run(run_id, MlflowClient(tracking_uri))
+    assert namespace, f"run {run_id} names no workers' namespace"
+    return namespace
+
+
+def run_actors(tracking_uri: str, run_id: str) -> list[str]:
+    namespace = run_namespace(tracking_uri, run_id)
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == namespace]
 
 
 def test_a_killed_controller_is_replaced_by_one_that_reattaches(tmp_path, demo_cache, ray_address, prefect_api):
@@ -51,9 +57,10 @@ def test_a_killed_controller_is_replaced_by_one_that_reattaches(tmp_path, demo_c
     first.send_signal(signal.SIGKILL)
     first.wait(30)
     run_id = json.loads(checkpoint.read_text())["mlflow_run_id"]
-    mlflow = MlflowClient(f"sqlite:///{tmp_path / 'crashed'}/mlflow.db")
+    store = f"sqlite:///{tmp_path / 'crashed'}/mlflow.db"
+    mlflow = MlflowClient(store)
     pids_before = mlflow.get_run(run_id).data.tags["ppoflow.worker_pids"]
-    assert run_actors(run_id) == ["workers-rank0"]  # the workers outlived their controller
+    assert run_actors(store, run_id) == ["workers-rank0"]  # the workers outlived their controller
 
     second = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
@@ -61,7 +68,7 @@ def test_a_killed_controller_is_replaced_by_one_that_reattaches(tmp_path, demo_c
     assert result["run_id"] == run_id and result["step"] == 4  # the same MLflow run, continued
     assert "reattached to the run's 1 live worker(s)" in second.stdout + second.stderr
     assert mlflow.get_run(run_id).data.tags["ppoflow.worker_pids"] == pids_before  # the same processes
-    assert run_actors(run_id) == []  # a finished run ends its workers
+    assert run_actors(store, run_id) == []  # a finished run ends its workers
 
     straight = train(overrides=small_run_overrides(tmp_path / "straight", demo_cache, *settings))
     crashed_history, straight_history = (
@@ -98,20 +105,23 @@ def test_a_failed_run_on_a_persistent_cluster_keeps_its_workers_until_killed(
     )
     with pytest.raises(RuntimeError, match="scorer bug"):
         train(overrides=overrides)
-    run_id = failed_run_id(f"sqlite:///{tmp_path}/mlflow.db")
-    assert run_actors(run_id) == ["workers-rank0"]  # kept for the next controller of this run
-    [listed] = [g for g in worker_groups(f"sqlite:///{tmp_path}/mlflow.db") if g.run_id == run_id]
+    store = f"sqlite:///{tmp_path}/mlflow.db"
+    run_id = failed_run_id(store)
+    namespace = run_namespace(store, run_id)
+    assert run_actors(store, run_id) == ["workers-rank0"]  # kept for the next controller of this run
+    [listed] = [g for g in worker_groups(store) if g.run_id == run_id]  # the workers say which run they serve
     assert (
-        listed.ranks == 1
+        listed.namespace == namespace
+        and listed.ranks == 1
         and len(listed.pids) == 1
         and listed.resources.get("CPU") == 1.0
         and listed.run_status == "FAILED"
     )
-    assert kill_worker_group(run_id) == 1
-    assert run_actors(run_id) == [] and not [
+    assert kill_worker_group(namespace) == 1
+    assert run_actors(store, run_id) == [] and not [
         g
         for g in ray.util.placement_group_table().values()
-        if g["name"].startswith(run_namespace(run_id)) and g["state"] != "REMOVED"
+        if g["name"].startswith(namespace) and g["state"] != "REMOVED"
     ]
 
 
@@ -127,14 +137,12 @@ def test_with_keep_workers_false_a_failed_run_leaves_nothing(
     )
     with pytest.raises(RuntimeError, match="scorer bug"):
         train(overrides=overrides)
-    run_id = failed_run_id(f"sqlite:///{tmp_path}/mlflow.db")
-    assert run_actors(run_id) == []
+    store = f"sqlite:///{tmp_path}/mlflow.db"
+    run_id = failed_run_id(store)
+    namespace = run_namespace(store, run_id)
+    assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == namespace]
     assert not [
         g
         for g in ray.util.placement_group_table().values()
-        if g["name"].startswith(run_namespace(run_id)) and g["state"] != "REMOVED"
+        if g["name"].startswith(namespace) and g["state"] != "REMOVED"
     ]
-    assert all(
-        not a["namespace"].startswith(NAMESPACE_PREFIX + run_id)
-        for a in ray.util.list_named_actors(all_namespaces=True)
-    )

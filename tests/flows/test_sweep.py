@@ -26,7 +26,7 @@ from flows.sweep import (
     suggest,
     sweep,
 )
-from flows.workers import run_namespace
+from flows.workers import WORKERS_NAMESPACE_TAG
 
 METRIC = "actor/entropy"  # differs between the children of these short runs (the validation accuracy often does not)
 
@@ -247,7 +247,7 @@ def test_a_failing_child_is_marked_and_the_sweep_goes_on(tmp_path, demo_cache, r
     assert not [
         a
         for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["namespace"] == run_namespace(failed.info.run_id)
+        if a["namespace"] == failed.data.tags[WORKERS_NAMESPACE_TAG]
     ]
     assert client.get_run(result["parent_run_id"]).info.status == "FINISHED"
 

@@ -20,7 +20,7 @@ from flows.config import ConfigError
 from flows.prefect_view import one_line
 from flows.resume import ResumeRefused
 from flows.train import train
-from flows.workers import run_namespace
+from flows.workers import WORKERS_NAMESPACE_TAG
 from rl_core.algos import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 from rl_core.config import ModelConfig
 from rl_core.data.dataset import write_rows
@@ -214,7 +214,8 @@ def test_a_worker_killed_during_step_two_is_replaced(run_overrides, tmp_path):
                 for run in client.search_runs([experiment.experiment_id]):
                     if run.data.metrics.get("training/global_step", 0) >= 1:
                         ray.kill(
-                            ray.get_actor("workers-rank0", namespace=run_namespace(run.info.run_id)), no_restart=True
+                            ray.get_actor("workers-rank0", namespace=run.data.tags[WORKERS_NAMESPACE_TAG]),
+                            no_restart=True,
                         )
                         killed.append(run.info.run_id)
                         return

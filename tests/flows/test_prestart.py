@@ -1,0 +1,59 @@
+"""A fresh run's inputs and workers made before its flow run (flows/prestart.py, what ``ppoflow train`` does while
+Prefect's server boots): the session takes the very worker processes when its config is theirs, and refuses them
+otherwise, with nothing left behind either way. The command's own path (prestart, then the flow) runs in the stack and
+controller-crash tests."""
+
+from pathlib import Path
+
+import ray
+from mlflow.tracking import MlflowClient
+
+from flows import prestart
+from flows.config import compose_config
+from flows.train import train
+from flows.workers import PREFIX, WORKERS_NAMESPACE_TAG, workers_namespace
+from rl_core.step_checkpoint import LOCK_FILE
+
+
+def prestarted_pid(config) -> int:
+    """The pid of the prestarted group's rank 0, once the prestart is done."""
+    prestart.wait()
+    actor = ray.get_actor(f"{PREFIX}-rank0", namespace=workers_namespace(config))
+    return ray.get(actor.health.remote(), timeout=30)["pid"]
+
+
+def actors_in(namespace: str) -> list[str]:
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == namespace]
+
+
+def trained_run(overrides: list[str]):
+    result = train(overrides=overrides)
+    return MlflowClient(result["tracking_uri"]).get_run(result["run_id"])
+
+
+def test_the_session_takes_the_prestarted_workers_of_its_config(run_overrides):
+    overrides = run_overrides("trainer.total_training_steps=1", "trainer.val_before_train=false")
+    config = compose_config(overrides)
+    prestart.prestart(config)
+    try:
+        pid = prestarted_pid(config)
+        run = trained_run(overrides)
+    finally:
+        prestart.release()
+    assert run.data.tags["ppoflow.worker_pids"] == str(pid)  # the prestarted process trained
+    assert run.data.tags[WORKERS_NAMESPACE_TAG] == workers_namespace(config)
+    assert not actors_in(workers_namespace(config))  # a finished run ends its workers
+
+
+def test_workers_prestarted_for_another_config_are_ended_not_used(run_overrides):
+    overrides = run_overrides("trainer.total_training_steps=1", "trainer.val_before_train=false")
+    other = compose_config([*overrides, "actor_rollout_ref.actor.optim.lr=0.5"])  # another worker setting
+    prestart.prestart(other)
+    try:
+        pid = prestarted_pid(other)
+        run = trained_run(overrides)  # the same folder: the prestart's lock is handed over, not fought over
+    finally:
+        prestart.release()
+    assert run.data.tags["ppoflow.worker_pids"] != str(pid) and run.info.status == "FINISHED"
+    assert not actors_in(workers_namespace(other))
+    assert (Path(compose_config(overrides).trainer.default_local_dir) / LOCK_FILE).read_text() == ""  # let go
