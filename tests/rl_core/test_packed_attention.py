@@ -1,0 +1,71 @@
+"""Packed-sequence attention row by row (rl_core/models/packed_attention.py) against attention written as a plain loop,
+and the model-level result against transformers' own SDPA over the block-diagonal mask."""
+
+import math
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from rl_core.models import packed_attention
+from rl_core.models.packed_attention import PACKED_SDPA, packed_row_bounds, packed_sdpa_attention
+
+
+def loop_attention(query, key, value, lengths):
+    """Causal softmax attention of each packed row over itself, one position at a time: (1, N, H, D)."""
+    out = torch.zeros(query.shape[2], query.shape[1], query.shape[3], dtype=torch.float64)
+    start = 0
+    for length in lengths:
+        for i in range(start, start + length):
+            for h in range(query.shape[1]):
+                scores = [float(query[0, h, i] @ key[0, h, j]) / math.sqrt(query.shape[3]) for j in range(start, i + 1)]
+                top = max(scores)
+                weights = [math.exp(s - top) for s in scores]
+                for w, j in zip(weights, range(start, i + 1)):
+                    out[i, h] += w / sum(weights) * value[0, h, j].double()
+        start += length
+    return out.unsqueeze(0)
+
+
+def test_row_bounds_are_where_positions_restart():
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 0, 1, 2, 3]])
+    assert packed_row_bounds(positions) == [0, 3, 5, 6, 10]
+    assert packed_row_bounds(torch.tensor([[5, 6, 7]])) == [0, 3]  # one row, whatever its first position
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_each_packed_row_attends_to_itself_only(seed):
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 7, (4,), generator=generator).tolist()
+    total, heads, dim = sum(lengths), 2, 8
+    query, key, value = (torch.randn(1, heads, total, dim, generator=generator) for _ in range(3))
+    position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    module = torch.nn.Module()
+    module.is_causal = True
+    output, _ = packed_sdpa_attention(module, query, key, value, None, position_ids=position_ids)
+    assert torch.allclose(output.double(), loop_attention(query, key, value, lengths), atol=1e-5)
+
+
+def test_a_model_gives_sdpa_numbers_with_a_row_per_call(monkeypatch):
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    model = Qwen2ForCausalLM(config).eval()
+    lengths = [5, 9, 3]
+    ids = torch.randint(0, 64, (1, sum(lengths)))
+    position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        whole = model(input_ids=ids, position_ids=position_ids, use_cache=False).logits
+        model.set_attn_implementation(PACKED_SDPA)
+        calls = []
+        original = packed_attention.sdpa_attention_forward
+        monkeypatch.setattr(
+            packed_attention, "sdpa_attention_forward", lambda *a, **k: calls.append(a[1].shape[2]) or original(*a, **k)
+        )
+        packed = model(input_ids=ids, position_ids=position_ids, use_cache=False).logits
+        alone = [model(input_ids=ids[:, :5], use_cache=False).logits]  # a single row goes to SDPA whole
+    assert calls == lengths * config.num_hidden_layers + [5] * config.num_hidden_layers
+    assert torch.allclose(packed, whole, atol=1e-5) and torch.allclose(alone[0], whole[:, :5], atol=1e-5)
