@@ -438,11 +438,13 @@ def test_a_checkpoints_dropout_is_off_so_the_first_ratio_is_exactly_one(tmp_path
 
 
 def test_a_model_whose_packed_rows_attend_to_each_other_falls_back_to_padded_batches(tmp_path, config, monkeypatch):
-    """Attention that ignores transformers' packed-sequence detection (remote code, a custom kernel): the check at load
-    finds it, says so, and the worker uses padded batches, whose log-probs are right."""
+    """Attention that ignores transformers' packed-sequence detection (remote code, a custom kernel; here transformers'
+    own SDPA, not ppoflow's row-by-row one, with the detection turned off): the check at load finds it, says so, and the
+    worker uses padded batches, whose log-probs are right."""
     import transformers.masking_utils
 
     monkeypatch.setattr(transformers.masking_utils, "find_packed_sequence_indices", lambda *args, **kwargs: None)
+    config.actor_rollout_ref.model.override_config = {"attn_implementation": "sdpa"}
     actor = ActorRolloutRefWorker(config.actor_rollout_ref, "actor_rollout_ref")
     notes = actor.init_model()
     assert not actor.remove_padding and any(
@@ -458,3 +460,14 @@ def test_a_model_whose_packed_rows_attend_to_each_other_falls_back_to_padded_bat
         )
     mask = batch.tensors["response_mask"].bool()
     assert torch.allclose(batch.tensors["old_log_probs"][mask], padded[mask], atol=1e-6)
+
+
+def test_row_by_row_attention_keeps_packed_rows_apart_without_transformers_detection(config, monkeypatch):
+    """ppoflow's packed attention (the default where SDPA would be) cuts rows by their position ids itself: with
+    transformers' packed-sequence detection off, the check at load still finds the padding-free forward right."""
+    import transformers.masking_utils
+
+    monkeypatch.setattr(transformers.masking_utils, "find_packed_sequence_indices", lambda *args, **kwargs: None)
+    actor = ActorRolloutRefWorker(config.actor_rollout_ref, "actor_rollout_ref")
+    actor.init_model()
+    assert actor.remove_padding
