@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from flows.inputs import TrainingInputs, plan_steps
 from flows.resume import config_record, workers_config_digest
 from flows.workers import build_fresh_workers
 from infra.cluster import connected
-from rl_core.step_checkpoint import StepCheckpoints
+from rl_core.step_checkpoint import PRESTART_MARK, StepCheckpoints
 
 
 @dataclass
@@ -79,7 +80,10 @@ def prestart(config: DictConfig) -> None:
 def _make(started: Prestarted, config: DictConfig) -> None:
     began = time.perf_counter()
     try:
-        started.folder_lock = StepCheckpoints(started.folder).lock({"run": config.trainer.experiment_name})
+        # the mark tells this process's input checks that the folder is held for the run they check, not by another
+        started.folder_lock = StepCheckpoints(started.folder).lock(
+            {"run": config.trainer.experiment_name, PRESTART_MARK: os.getpid()}
+        )
         apply_embedded_defaults(config)  # the demo's assets: built once (their lines are the run's first), then cached
         started.inputs_record = _record(config)
         started.inputs = TrainingInputs.load(config)

@@ -20,7 +20,7 @@ from rl_core.data.dataset import DatasetError, RLDataset, peek_rows, validate_ro
 from rl_core.models.folder import ModelLoadError, check_model_folder
 from rl_core.ppo_step import use_critic
 from rl_core.reward.custom import load_custom_reward_function
-from rl_core.step_checkpoint import CheckpointError, StepCheckpoints
+from rl_core.step_checkpoint import PRESTART_MARK, CheckpointError, StepCheckpoints
 
 ROWS_CHECKED = 8  # the first rows of each file whose columns are checked (the dataset checks every row when it loads)
 REWARD_CALLS = {  # reward.reward_manager -> the keyword arguments the reward manager calls the function with
@@ -171,11 +171,11 @@ def prompt_problems(config: Any) -> list[str]:
 
 
 def checkpoint_problems(config: Any) -> list[str]:
-    """The checkpoint folder held by another process (this one holds it while ``ppoflow train`` prepares the run); a
-    damaged or missing ``resume_from_path``."""
+    """The checkpoint folder held by another run (not by this process's ``ppoflow train`` preparing this very run:
+    its lock carries PRESTART_MARK with this pid); a damaged or missing ``resume_from_path``."""
     checkpoints = StepCheckpoints(config.trainer.default_local_dir)
     holder = checkpoints.holder()
-    held_elsewhere = holder is not None and holder.get("pid") != os.getpid()
+    held_elsewhere = holder is not None and holder.get(PRESTART_MARK) != os.getpid()
     problems = [f"trainer.default_local_dir: {checkpoints.in_use_message(holder)}"] if held_elsewhere else []
     if config.trainer.resume_mode == "resume_path" and config.trainer.resume_from_path:
         try:

@@ -32,6 +32,8 @@ POINTER_FILE = "latest_checkpointed_iteration.txt"
 STATE_FILE = "trainer_state.json"
 MANIFEST_FILE = "manifest.json"
 LOCK_FILE = ".lock"
+# in a lock's holder: the pid of the command that took the folder for the very run it prepares
+PRESTART_MARK = "prestarted_by"
 
 
 def file_digest(path: Path) -> str:
