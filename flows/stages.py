@@ -6,7 +6,8 @@ A stage is called plainly, in the flow's thread, and *reported* to Prefect as a 
 microseconds), with their real timestamps, go on a queue that a background thread (:class:`TaskRunReporter`) turns
 into the events Prefect's own task engine emits, from which the server records the task run. So the Prefect UI shows
 what it showed when each stage ran as a Prefect task — one task run per stage per step, named by its step
-(``step-12/generate``), its duration, the data dependencies between the stages (a stage's argument that is an
+(``step-12/generate``), its duration, what it produced (its Completed state's message: a batch's rows and fields,
+metrics and their values), the data dependencies between the stages (a stage's argument that is an
 earlier stage's output), a failed stage as Failed with its error, a retry as a retry — at ~0.03 ms of the step's
 critical path per stage instead of Prefect's task engine's ~3-4.5 ms (bench/README.md, "step_overhead"). The run's
 other phases are reported the same way (:func:`run_phase`: ``load-inputs``, ``set-up``, ``step-12/validate``,
@@ -24,6 +25,7 @@ engine uses (same payload, whatever Prefect version is installed; pyproject pins
 from __future__ import annotations
 
 import contextvars
+import functools
 import inspect
 import logging
 import queue
@@ -41,6 +43,7 @@ from prefect.context import FlowRunContext
 
 from infra.worker_group import WorkerDiedError, WorkerTimeoutError
 from rl_core import ppo_step
+from rl_core.batch import Batch
 
 RETRY_DELAY_S = 1.0  # between a failed attempt of an idempotent stage and its retry
 TASK_RUNS = {"started": 0}  # the task runs this process reported (its Prefect server records as many)
@@ -76,7 +79,8 @@ class TaskRunReporter(threading.Thread):
         self.changes: queue.Queue[tuple[ReportedRun, str, datetime, str | None]] = queue.Queue()
         self.warned = False
 
-    def report(self, run: ReportedRun, state_name: str, message: str | None = None) -> None:
+    def report(self, run: ReportedRun, state_name: str, message: str | Callable[[], str | None] | None = None) -> None:
+        """Queue a state change; a callable ``message`` is made in the reporter's thread, off the flow's path."""
         self.changes.put((run, state_name, datetime.now(timezone.utc), message))
 
     def flush(self, timeout_s: float) -> bool:
@@ -90,6 +94,7 @@ class TaskRunReporter(threading.Thread):
         while True:
             run, state_name, when, message = self.changes.get()
             try:
+                message = message() if callable(message) else message
                 run.context.run(self.emit, run, state_name, when, message)
             except Exception as error:  # reporting never fails a run; said once
                 if not self.warned:
@@ -169,6 +174,24 @@ def failure_message(error: BaseException) -> str:
     return f"Task run encountered an exception {type(error).__name__}: {error}"
 
 
+def produced(result: Any, limit: int = 500) -> str | None:
+    """What a stage or phase returned, in one line for its Completed state's message (the task run's page shows it):
+    a batch's rows and fields, metrics and their values, else the type of each item of a tuple; None for nothing."""
+    parts = []
+    try:
+        for item in result if isinstance(result, tuple) else (result,):
+            if isinstance(item, Batch):
+                parts.append(f"a batch of {len(item)} rows: {', '.join([*item.tensors, *item.non_tensors])}")
+            elif isinstance(item, dict) and item and all(isinstance(v, (int, float)) for v in item.values()):
+                parts.append(", ".join(f"{key}={value:.4g}" for key, value in item.items()))
+            elif item is not None:
+                parts.append(type(item).__name__)
+    except RuntimeError:  # a later stage changed the batch's fields while this was read: say less
+        return None
+    text = "; ".join(parts)
+    return (text[:limit] + "...") if len(text) > limit else (text or None)
+
+
 def call_reported(
     task_name: str, run_name: str, fn: Callable, args: tuple, retries: int = 0, inputs: dict | None = None
 ) -> tuple[Any, ReportedRun | None]:
@@ -200,7 +223,7 @@ def call_reported(
                 REPORTER.report(run, "Failed" if isinstance(error, Exception) else "Crashed", failure_message(error))
             raise
         if run is not None:
-            REPORTER.report(run, "Completed")
+            REPORTER.report(run, "Completed", functools.partial(produced, result))
         return result, run
 
 

@@ -5,20 +5,22 @@ retries (only where a re-run gives the same result) as retries."""
 import time
 
 import pytest
+import torch
 from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.client.schemas.sorting import TaskRunSort
 
-from flows.stages import StageRunner, flush_reported_runs, retryable, run_phase
+from flows.stages import StageRunner, flush_reported_runs, produced, retryable, run_phase
 from infra.worker_group import WorkerDiedError, WorkerTimeoutError
+from rl_core.batch import Batch
 
 EXPECTED_RUNS = 6
 
 
 def generate(workers, prompts):
     time.sleep(0.05)
-    return {"batch": prompts}, {"gen": 1.0}
+    return Batch({"responses": torch.zeros(2, 3)}, {"uid": ["a", "b"]}), {"gen": 1.0}
 
 
 def old_log_prob(workers, batch):
@@ -97,6 +99,8 @@ def test_stages_read_back_from_prefect_as_task_runs(prefect_api):
     }
     generate_run, generate_states = runs["step-3/generate"]
     assert [s.name for s in generate_states] == ["Running", "Completed"]
+    # the task run's page says what the stage produced (its Completed state's message)
+    assert generate_states[-1].message == "a batch of 2 rows: responses, uid; gen=1"
     assert generate_run.total_run_time.total_seconds() >= 0.05 and generate_run.end_time > generate_run.start_time
     assert generate_run.task_inputs == {}
     # a stage's arguments that are earlier stages' outputs (an item of a tuple output too) are its upstream task runs
@@ -134,3 +138,13 @@ def test_a_dead_or_timed_out_worker_is_not_retried_in_place():
     assert not retryable(WorkerDiedError("worker rank0 died", "rank0"))
     assert not retryable(WorkerTimeoutError("stage 'generate': workers ['rank0'] did not answer"))
     assert not retryable(KeyboardInterrupt())
+
+
+def test_what_a_stage_produced_in_one_line():
+    batch = Batch({"old_log_probs": torch.zeros(4, 2)})
+    assert (
+        produced((batch, {"actor/entropy": 1.23456, "n": 3}))
+        == "a batch of 4 rows: old_log_probs; actor/entropy=1.235, n=3"
+    )
+    assert produced(None) is None and produced([1, 2]) == "list"
+    assert produced({f"m{i}": float(i) for i in range(200)}, limit=20) == "m0=0, m1=1, m2=2, m3..."
