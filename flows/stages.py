@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 from typing import Any
 from uuid import UUID, uuid4
 
@@ -175,15 +176,19 @@ def failure_message(error: BaseException) -> str:
 
 
 def produced(result: Any, limit: int = 500) -> str | None:
-    """What a stage or phase returned, in one line for its Completed state's message (the task run's page shows it):
-    a batch's rows and fields, metrics and their values, else the type of each item of a tuple; None for nothing."""
+    """What a stage or phase returned, in one line for its Completed state's message (the run graph's panel of the task
+    run shows it): a batch's rows and fields, the numbers of a metrics dict, a path, else the type of each item of a
+    tuple; None for nothing."""
     parts = []
     try:
         for item in result if isinstance(result, tuple) else (result,):
             if isinstance(item, Batch):
                 parts.append(f"a batch of {len(item)} rows: {', '.join([*item.tensors, *item.non_tensors])}")
-            elif isinstance(item, dict) and item and all(isinstance(v, (int, float)) for v in item.values()):
-                parts.append(", ".join(f"{key}={value:.4g}" for key, value in item.items()))
+            elif isinstance(item, dict):
+                numbers = {k: v for k, v in item.items() if isinstance(v, (int, float))}
+                parts.append(", ".join(f"{k}={v:.4g}" for k, v in numbers.items()) or f"{len(item)} entries")
+            elif isinstance(item, (str, Path)):
+                parts.append(str(item))
             elif item is not None:
                 parts.append(type(item).__name__)
     except RuntimeError:  # a later stage changed the batch's fields while this was read: say less

@@ -3,6 +3,7 @@ Prefect API: one per call, named by step, real durations, the data dependencies,
 retries (only where a re-run gives the same result) as retries."""
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -146,5 +147,6 @@ def test_what_a_stage_produced_in_one_line():
         produced((batch, {"actor/entropy": 1.23456, "n": 3}))
         == "a batch of 4 rows: old_log_probs; actor/entropy=1.235, n=3"
     )
-    assert produced(None) is None and produced([1, 2]) == "list"
+    assert produced(None) is None and produced([1, 2]) == "list" and produced({"a": "x"}) == "1 entries"
+    assert produced(Path("/ckpt/global_step_3")) == "/ckpt/global_step_3"
     assert produced({f"m{i}": float(i) for i in range(200)}, limit=20) == "m0=0, m1=1, m2=2, m3..."
