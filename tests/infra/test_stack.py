@@ -1,5 +1,5 @@
 """``ppoflow up / status / down`` on loopback: real Prefect, MLflow and Ray servers, started and stopped by the test
-(PPOFLOW_HOME in a temporary folder), and a training run that uses them."""
+(PPOFLOW_HOME in a temporary folder), and a training run that uses them, seen in their UIs by a real Chromium."""
 
 import json
 import os
@@ -9,9 +9,12 @@ import sys
 import httpx
 import pytest
 from mlflow.tracking import MlflowClient
+from selenium.webdriver.common.by import By
 
+from flows.prefect_view import mlflow_run_url
 from infra.stack import port_open
 from infra.watchdog import all_stats
+from tests.browser import chromium, page_text_once_it_shows, screenshot
 from tests.conftest import ROOT, free_port
 
 
@@ -89,12 +92,35 @@ def test_up_status_train_down(stack_env, tmp_path, demo_cache):
     flow_runs = httpx.post(f"http://127.0.0.1:{ports['prefect']}/api/flow_runs/filter", json={}).json()
     assert [run["name"] for run in flow_runs] and all(run["state_type"] == "COMPLETED" for run in flow_runs)
     assert (work / "checkpoints" / "ppoflow" / "demo" / "global_step_1" / "actor").is_dir()
+    views_of_the_run(ports, flow_runs[0]["id"], result)
 
     stopped = ppoflow(stack_env, "down", timeout=120)
     assert stopped.returncode == 0 and "stopped prefect, mlflow, ray" in stopped.stdout
     assert not any(process_group_alive(s["pid"]) for s in services.values())
     assert not any(port_open(port) for port in ports.values())
     assert ppoflow(stack_env, "status", timeout=60).returncode == 1
+
+
+def views_of_the_run(ports: dict[str, int], flow_run_id: str, result: dict) -> None:
+    """The run in the two UIs the stack serves, as a fresh browser opens them (screenshots in test-artifacts/): the
+    Prefect flow run with its per-step line and its task runs named by step; ppoflow's link to the MLflow run opens its
+    model-training view with the metrics and params (a fresh browser would open MLflow 3's GenAI view)."""
+    browser = chromium()
+    try:
+        browser.get(f"http://127.0.0.1:{ports['prefect']}/runs/flow-run/{flow_run_id}")
+        page_text_once_it_shows(browser, "step 1/1 | score", "set-up: Ray")
+        screenshot(browser, "prefect-flow-run.png")
+        browser.find_elements(By.XPATH, "//*[normalize-space(.)='Task Runs']")[-1].click()
+        page_text_once_it_shows(browser, "step-1/generate", "step-1/update_actor", "load-inputs")
+        screenshot(browser, "prefect-task-runs.png")
+        client = MlflowClient(result["tracking_uri"])
+        run = client.get_run(result["run_id"])
+        browser.get(mlflow_run_url(result["tracking_uri"], run.info.experiment_id, run.info.run_id))
+        text = page_text_once_it_shows(browser, "Metrics (", "Parameters (", "actor/pg_loss")
+        assert "algorithm.adv_estimator" in text
+        screenshot(browser, "mlflow-run.png")
+    finally:
+        browser.quit()
 
 
 def test_the_prefect_server_records_in_batches_and_deletes_task_run_events_after_an_hour(tmp_path):

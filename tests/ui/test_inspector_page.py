@@ -2,28 +2,22 @@
 ui/server.py over an MLflow store that holds a real 3-step training run and a run with hostile strings."""
 
 import itertools
-import os
 import random
-import shutil
-import subprocess
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 import uvicorn
 from mlflow.tracking import MlflowClient
-from selenium import webdriver
-from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
-from tests.conftest import ROOT, free_port, small_run_overrides
+from tests.browser import ARTIFACTS, chromium
+from tests.conftest import free_port, small_run_overrides
 from ui.server import Links, create_app
 
-ARTIFACTS = Path(os.environ.get("PPOFLOW_TEST_ARTIFACTS", ROOT / "test-artifacts"))
 HOSTILE = '<script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2">'
 
 
@@ -74,26 +68,7 @@ def server(store):
 
 @pytest.fixture(scope="module")
 def browser():
-    # a fresh machine: install them, as .ci/run does
-    if not (shutil.which("chromium") and shutil.which("chromedriver")):
-        installed = subprocess.run(
-            [str(Path(__file__).with_name("install_chromium.sh"))], capture_output=True, text=True
-        )
-        assert installed.returncode == 0, (
-            f"the page tests need Debian's chromium and chromium-driver: {installed.stderr[-500:]}"
-        )
-    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for flag in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-dev-shm-usage",
-        "--window-size=1600,1000",
-    ):
-        options.add_argument(flag)
-    chrome = webdriver.Chrome(service=Service(driver), options=options)
+    chrome = chromium()
     yield chrome
     chrome.quit()
 
