@@ -176,9 +176,9 @@ def failure_message(error: BaseException) -> str:
 
 
 def produced(result: Any, limit: int = 500) -> str | None:
-    """What a stage or phase returned, in one line for its Completed state's message (the run graph's panel of the task
-    run shows it): a batch's rows and fields, the numbers of a metrics dict, a path, else the type of each item of a
-    tuple; None for nothing."""
+    """What a stage or phase returned, in one line for its Completed state's message (read with the task run's states
+    through Prefect's API): a batch's rows and fields, the numbers of a metrics dict, a path, else the type of each
+    item of a tuple; None for nothing."""
     parts = []
     try:
         for item in result if isinstance(result, tuple) else (result,):
