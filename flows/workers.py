@@ -99,7 +99,7 @@ def build_fresh_workers(config: DictConfig, log: Callable[[str], None] = print) 
     """:func:`build_workers` in the run's namespace, after ending whatever group an earlier run of the same folder left
     there."""
     namespace = workers_namespace(config)
-    WorkerGroup.kill_named(PREFIX, namespace)
+    kill_worker_group(namespace)
     return build_workers(config, namespace, log=log)
 
 
