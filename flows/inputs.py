@@ -1,6 +1,7 @@
 """What a training run reads before anything starts, and the step count it plans from it.
 
-A bad input fails here, before any run exists (the datasets check every prompt)."""
+A bad input fails here, before any run exists (the datasets check every prompt; the prompts' token ids are checked
+against the models' embedding rows)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from omegaconf import DictConfig
 from rl_core.agent.tools.registry import tool_schemas
 from rl_core.data.dataset import RLDataset
 from rl_core.data.sampler import ResumableSampler
+from rl_core.input_checks import InputError, vocabulary_problems
 from rl_core.models.loading import load_policy_tokenizer
 from rl_core.ppo_step import resolved_total_steps
 from rl_core.reward.custom import load_custom_reward_function
@@ -31,12 +33,13 @@ class TrainingInputs:
     def load(cls, config: DictConfig) -> TrainingInputs:
         tokenizer = load_policy_tokenizer(config.actor_rollout_ref.model)
         tools = tool_schemas(config.actor_rollout_ref.rollout.multi_turn)
-        return cls(
-            tokenizer,
-            RLDataset(config.data.train_files, tokenizer, config.data, config.data.train_max_samples, tools),
-            RLDataset(config.data.val_files, tokenizer, config.data, config.data.val_max_samples, tools),
-            build_reward_manager(config, tokenizer, load_custom_reward_function(**config.custom_reward_function)),
-        )
+        train_data = RLDataset(config.data.train_files, tokenizer, config.data, config.data.train_max_samples, tools)
+        val_data = RLDataset(config.data.val_files, tokenizer, config.data, config.data.val_max_samples, tools)
+        problems = vocabulary_problems(config, tokenizer, [train_data, val_data])
+        if problems:
+            raise InputError("\n".join(problems))
+        reward = load_custom_reward_function(**config.custom_reward_function)
+        return cls(tokenizer, train_data, val_data, build_reward_manager(config, tokenizer, reward))
 
 
 def plan_steps(config: DictConfig, rows: int) -> int:

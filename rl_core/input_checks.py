@@ -17,7 +17,8 @@ import torch
 
 from rl_core.agent.tools.registry import tool_schemas
 from rl_core.data.dataset import DatasetError, RLDataset, peek_rows, validate_row
-from rl_core.models.folder import ModelLoadError, check_model_folder
+from rl_core.models.folder import ModelLoadError, check_model_folder, local_model_path
+from rl_core.models.vocabulary import describe_ids, embedding_rows, fed_ids, ids_past_rows, tokenizer_id_bound
 from rl_core.ppo_step import use_critic
 from rl_core.reward.custom import load_custom_reward_function
 from rl_core.step_checkpoint import PRESTART_MARK, CheckpointError, StepCheckpoints
@@ -147,26 +148,78 @@ def vllm_problems(config: Any) -> list[str]:
     return []
 
 
-def prompt_problems(config: Any) -> list[str]:
-    """With ``data.truncation=error`` (and no filtering): a prompt longer than ``data.max_prompt_length`` tokens, found
-    by
-    tokenizing every row with the policy's tokenizer (as the run's datasets will)."""
-    if (
-        config.data.truncation != "error"
-        or config.data.filter_overlong_prompts
-        or config.actor_rollout_ref.model.path is None
-    ):
+def _vocabulary_may_overflow(config: Any) -> bool:
+    """Whether the tokenizer's files name an id past a fed model's embedding rows (or name none): only then must the
+    tokenizer be loaded and the prompts tokenized to tell (the sizes come from the folders' JSON files)."""
+    model = config.actor_rollout_ref.model
+    if model.path is None:
+        return False  # the embedded demo: its model is built with its tokenizer
+    bound = tokenizer_id_bound(local_model_path(model.tokenizer_path or model.path))
+    policy_rows, *critic_rows = [embedding_rows(local_model_path(path)) for _, path in _fed_models(config)]
+    known = [rows for rows in (policy_rows, *critic_rows) if rows is not None]
+    fewer_than_samples = policy_rows is not None and any(rows < policy_rows for rows in known)
+    return bound is None or any(bound > rows for rows in known) or fewer_than_samples
+
+
+def _fed_models(config: Any) -> list[tuple[str, str]]:
+    """(setting, folder) of the models fed the policy's token ids: the policy, and a critic of another checkpoint."""
+    model = config.actor_rollout_ref.model
+    fed = [("actor_rollout_ref.model.path", model.path)]
+    if use_critic(config) and config.critic.model.path != model.path:
+        fed.append(("critic.model.path", config.critic.model.path))
+    return fed
+
+
+def vocabulary_problems(config: Any, tokenizer: Any, datasets: list[RLDataset]) -> list[str]:
+    """Token ids the run feeds a model (:func:`rl_core.models.vocabulary.fed_ids`; a critic also gets the policy's
+    samples) that lie past the model's embedding rows: one line per model, naming the tokens, both sizes and the fix.
+    Nothing is looked at when the tokenizer's files name no id past the rows."""
+    if not _vocabulary_may_overflow(config):
+        return []
+    prompts = (ids for data in datasets for ids in data.prompt_ids)
+    fed = fed_ids(tokenizer, prompts, config.actor_rollout_ref.rollout.multi_turn.enable)
+    policy_rows = embedding_rows(local_model_path(config.actor_rollout_ref.model.path))
+    problems = []
+    for setting, path in _fed_models(config):
+        rows = embedding_rows(local_model_path(path, setting))
+        if rows is None:
+            continue
+        needed = fed if setting.startswith("actor") or policy_rows is None else {**fed, policy_rows - 1: "the samples"}
+        past = ids_past_rows(needed, rows)
+        if past:
+            problems.append(
+                f"{setting}: token ids the run feeds the model lie past its embedding: "
+                f"{describe_ids(tokenizer, past)}; the tokenizer has {len(tokenizer)} tokens, the model's embedding "
+                f"{rows} rows; resize the embedding to the tokenizer and save the model "
+                "(model.resize_token_embeddings(len(tokenizer)), then save_pretrained), or use the tokenizer it was "
+                "trained with"
+            )
+    return problems
+
+
+def tokenized_problems(config: Any) -> list[str]:
+    """What only the policy's tokenizer tells, each checked on the prompts tokenized as the run's datasets will be:
+    with ``data.truncation=error`` (and no filtering) a prompt longer than ``data.max_prompt_length``; a token id the
+    run feeds a model past its embedding rows (:func:`vocabulary_problems`), looked at only when the tokenizer's files
+    name an id past the rows. Data the embedded demo makes (files left null) is checked when the run loads it."""
+    data = config.data
+    check_lengths = data.truncation == "error" and not data.filter_overlong_prompts
+    check_vocabulary = _vocabulary_may_overflow(config)
+    demo_fills_in = config.actor_rollout_ref.model.path is None or data.train_files is None or data.val_files is None
+    if demo_fills_in or not (check_lengths or check_vocabulary):
         return []
     from rl_core.models.loading import load_policy_tokenizer
 
     tokenizer = load_policy_tokenizer(config.actor_rollout_ref.model)
     tools = tool_schemas(config.actor_rollout_ref.rollout.multi_turn)
-    problems = []
+    problems, datasets = [], []
     for key in ("data.train_files", "data.val_files"):
         try:
-            RLDataset(config.data[key.split(".")[1]], tokenizer, config.data, tools=tools)
+            datasets.append(RLDataset(data[key.split(".")[1]], tokenizer, data, tools=tools))
         except DatasetError as error:
             problems.append(f"{key}: {error}")
+    if not problems:
+        problems += vocabulary_problems(config, tokenizer, datasets)
     return problems
 
 
@@ -191,7 +244,7 @@ def check_run_inputs(config: Any, tokenize: bool = True) -> None:
     caller that loads the datasets (which check every prompt) right after."""
     problems = data_problems(config) + model_problems(config) + reward_problems(config) + device_problems(config)
     if tokenize and not problems:  # the prompts are tokenized with a tokenizer and data known to load
-        problems += prompt_problems(config)
+        problems += tokenized_problems(config)
     problems += checkpoint_problems(config)
     if problems:
         raise InputError("\n".join(problems))

@@ -1,7 +1,8 @@
 """Loading a Hugging Face checkpoint the way verl does, from a local folder only.
 
     tokenizer -> AutoConfig (+ override_config, dropout off) -> model class detection -> attention kernels
-    -> from_pretrained (dtype) -> generation defaults reset -> optional gradient checkpointing -> optional LoRA (peft)
+    -> from_pretrained (dtype) -> tokenizer vs embedding -> generation defaults reset -> optional gradient
+    checkpointing -> optional LoRA (peft)
 
 Model class detection: a config with ``auto_map`` names remote code, used only with ``trust_remote_code``;
 otherwise the Hugging Face auto-class mappings are searched in order CausalLM, Vision2Seq, ImageTextToText.
@@ -16,7 +17,9 @@ What RL needs of a model that pretraining checkpoints do not give, set here and 
   PyTorch's SDPA (row by row over a packed sequence: :mod:`rl_core.models.packed_attention`), else eager, or
   ``override_config.attn_implementation``;
 * plain generation defaults: a checkpoint's ``generation_config.json`` (Qwen2.5-Instruct's repetition penalty, its
-  temperature, top-p) would change how the rollout samples; only its token ids are kept.
+  temperature, top-p) would change how the rollout samples; only its token ids are kept;
+* a tokenizer with more tokens than the embedding has rows (:mod:`rl_core.models.vocabulary`): said once, with both
+  sizes; refused when a special token lies past the rows.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig, Pretrained
 from rl_core.device import COMPUTE_DTYPES
 from rl_core.models.folder import ModelLoadError, local_model_path
 from rl_core.models.logprob import padding_free_mismatch
+from rl_core.models.vocabulary import describe_ids, fed_ids, ids_past_rows, model_rows
 
 if TYPE_CHECKING:  # the modeling code imports in seconds: only the workers need it, when they load a model
     from transformers import PreTrainedModel
@@ -281,10 +285,41 @@ def load_policy_model(
             f"({str(error).splitlines()[0]}); set actor_rollout_ref.model.override_config.attn_implementation to one "
             "it has (eager always works)"
         ) from error
+    check_model_vocabulary(model, tokenizer, "actor_rollout_ref.model.path")
     reset_generation_config(model)
     if model_config.enable_gradient_checkpointing:
         enable_gradient_checkpointing(model)
     return model, tokenizer
+
+
+def check_model_vocabulary(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, setting: str) -> None:
+    """The loaded ``model`` has a row for every id its LM head samples and for the tokenizer's special tokens (a
+    ModelLoadError naming them otherwise); a tokenizer with more tokens than rows is reported with both sizes.
+    ``ppoflow train`` checks the prompts and the template's tokens too, before it starts anything
+    (``rl_core.input_checks``)."""
+    rows, head_rows = model_rows(model)
+    fix = "resize the model's embedding to the tokenizer (model.resize_token_embeddings(len(tokenizer))) and save it"
+    if head_rows is not None and head_rows > rows:
+        raise ModelLoadError(
+            f"{setting}: the LM head samples {head_rows} ids but the input embedding has {rows} rows; {fix}"
+        )
+    if len(tokenizer) <= rows:
+        return
+    past = ids_past_rows(fed_ids(tokenizer, prompt_ids=(), multi_turn=False), rows)  # the special tokens
+    if past:
+        raise ModelLoadError(
+            f"{setting}: token id(s) past the model's embedding: {describe_ids(tokenizer, past)}; the tokenizer has "
+            f"{len(tokenizer)} tokens, the embedding {rows} rows; {fix}"
+        )
+    extra = tokenizer.convert_ids_to_tokens(list(range(rows, min(len(tokenizer), rows + 3))))
+    warnings.warn(
+        ModelLoadWarning(
+            f"the tokenizer has {len(tokenizer)} tokens and the model's embedding {rows} rows: the tokens from id "
+            f"{rows} on ({', '.join(map(repr, extra))}{', ...' if len(tokenizer) > rows + 3 else ''}) have no row; "
+            "a training run's prompts, special and template tokens are checked for them before it starts"
+        ),
+        stacklevel=2,
+    )
 
 
 def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
@@ -314,11 +349,11 @@ def load_warnings() -> Iterator[list[str]]:
             warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
 
 
-def padding_free_works(model: torch.nn.Module, vocab_size: int, setting: str) -> bool:
+def padding_free_works(model: torch.nn.Module, setting: str) -> bool:
     """Whether the padding-free forward gives ``model``'s padded results
     (:func:`rl_core.models.logprob.padding_free_mismatch`
     within float32 or half-precision noise); when not, a ModelLoadWarning says that padded batches are used instead."""
-    mismatch = padding_free_mismatch(model, vocab_size)
+    mismatch = padding_free_mismatch(model)
     tolerance = 1e-3 if next(model.parameters()).dtype == torch.float32 else 0.1
     if mismatch <= tolerance:
         return True

@@ -124,12 +124,14 @@ def response_values(
     return values[:, -response_length - 1 : -1]
 
 
-def padding_free_mismatch(model: torch.nn.Module, vocab_size: int) -> float:
+def padding_free_mismatch(model: torch.nn.Module) -> float:
     """The largest difference between the padding-free and the padded forward of ``model`` (a causal LM: log-probs; a
-    critic: values) at the valid tokens of a dummy batch of two rows with different padding: ~1e-6 in float32 where
-    packed rows are kept apart, ~0.1 or more where they are not. Runs in the weights' own dtype, without autocast."""
+    critic: values) at the valid tokens of a dummy batch of two rows with different padding, their ids drawn from the
+    rows the model's embedding has: ~1e-6 in float32 where packed rows are kept apart, ~0.1 or more where they are
+    not. Runs in the weights' own dtype, without autocast."""
     device = next(model.parameters()).device
-    ids = torch.randint(0, vocab_size, (2, 12), generator=torch.Generator().manual_seed(0)).to(device)
+    rows = model.get_input_embeddings().num_embeddings
+    ids = torch.randint(0, rows, (2, 12), generator=torch.Generator().manual_seed(0)).to(device)
     attention_mask = torch.ones_like(ids)
     attention_mask[1, :4], attention_mask[1, -2:] = 0, 0  # row 1: left-padded prompt, right-padded response
     position_ids = torch.clamp(torch.cumsum(attention_mask, dim=-1) - 1, min=0)

@@ -18,6 +18,7 @@ from transformers import AutoModel, AutoModelForTokenClassification, PreTrainedT
 
 from rl_core.models.loading import (
     attention_implementation,
+    check_model_vocabulary,
     enable_gradient_checkpointing,
     import_external_lib,
     load_hf_config,
@@ -42,6 +43,9 @@ class ValueHeadModel(torch.nn.Module):
         self.value_head = torch.nn.Linear(body.config.hidden_size, 1, dtype=body.dtype)
         torch.nn.init.zeros_(self.value_head.bias)
         torch.nn.init.normal_(self.value_head.weight, std=1.0 / (body.config.hidden_size + 1))
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.body.get_input_embeddings()
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kwargs: Any) -> SimpleNamespace:
         hidden = self.body(
@@ -97,6 +101,7 @@ def load_critic_model(
         model = ValueHeadModel(body)
         if (folder / VALUE_HEAD_FILE).exists():
             model.value_head.load_state_dict(load_file(str(folder / VALUE_HEAD_FILE)))
+    check_model_vocabulary(model, tokenizer, "critic.model.path")
     if model_config.enable_gradient_checkpointing:
         enable_gradient_checkpointing(body)
     return model, tokenizer

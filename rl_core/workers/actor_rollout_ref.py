@@ -135,7 +135,7 @@ class ActorRolloutRefWorker:
             if self.is_actor or self.is_rollout:
                 model, self.tokenizer = load_policy_model(self.model_config, self.device, self.compute_dtype)
                 self.remove_padding = self.remove_padding and padding_free_works(
-                    model.to(self.device), len(self.tokenizer), "actor_rollout_ref.model.use_remove_padding"
+                    model.to(self.device), "actor_rollout_ref.model.use_remove_padding"
                 )
                 self.module = shard_module(
                     apply_lora(model, self.model_config).to(self.device), fsdp_config, self.compute_dtype

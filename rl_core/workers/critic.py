@@ -43,7 +43,7 @@ class CriticWorker:
         with load_warnings() as notes:
             model, self.tokenizer = load_critic_model(self.model_config, self.device, self.compute_dtype)
             self.remove_padding = bool(self.model_config.use_remove_padding) and padding_free_works(
-                model.to(self.device), len(self.tokenizer), "critic.model.use_remove_padding"
+                model.to(self.device), "critic.model.use_remove_padding"
             )
         self.module = shard_module(
             apply_lora(model, self.model_config, task_type="TOKEN_CLS").to(self.device),
