@@ -184,14 +184,13 @@ def main() -> None:
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
     from flows.prefect_server import configure_prefect, start_temporary_server, stop_temporary_server
-    from flows.stages import TASK_RUNS
 
     configure_prefect()  # what `ppoflow train` does before its flow starts
     start_temporary_server()()
     with tempfile.TemporaryDirectory() as folder:
         steps = 2 * (args.pairs + args.warmup)
         rows = interleaved_steps([*overrides(folder, steps, args.batch), *args.overrides], args.pairs, args.warmup)
-    stop_temporary_server(TASK_RUNS["started"])  # once it recorded them (no shutdown tracebacks)
+    stop_temporary_server()  # once it recorded the task runs (no shutdown tracebacks)
     result = {"batch": args.batch, "switch_interval": sys.getswitchinterval(), **summary(rows, args.warmup)}
     print(f"{'arm':<10}{'step (ms)':>12}{'controller CPU (ms)':>22}{'tree CPU (ms)':>16}")
     for arm in ARMS:

@@ -177,7 +177,7 @@ def run_trl_grpo(args: argparse.Namespace, folder: str, model: str, train: str, 
     from trl import GRPOConfig, GRPOTrainer
 
     from flows.config import compose_config
-    from rl_core.data.dataset import read_rows
+    from rl_core.data.rows import read_rows
     from rl_core.reward.scorers import default_compute_score
 
     demo = compose_config([])

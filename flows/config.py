@@ -69,9 +69,11 @@ def _explain(error: BaseException) -> str:
     return f"{key + ': ' if key else ''}{first}"
 
 
-def compose_config(overrides: list[str] | None = None, base: str | None = None) -> DictConfig:
+def compose_config(overrides: list[str] | None = None, base: str | None = None, algorithms: bool = True) -> DictConfig:
     """The root config with ``overrides`` applied, interpolations resolved and every value checked. ``base`` (the YAML
-    of an earlier run's composed config) replaces the defaults: an evaluation starts from its training run's config."""
+    of an earlier run's composed config) replaces the defaults: an evaluation starts from its training run's config.
+    ``algorithms=False`` leaves the algorithm names to the caller (``rl_core.config.check_algorithm_names``: their
+    registries import torch, which takes seconds; ``ppoflow train`` checks its input files first)."""
     overrides = list(overrides or [])
     try:
         config = _compose(overrides, base)
@@ -91,7 +93,7 @@ def compose_config(overrides: list[str] | None = None, base: str | None = None) 
     except OmegaConfBaseException as error:
         raise ConfigError(_explain(error)) from None
     try:
-        check_config(config)
+        check_config(config, algorithms)
     except ConfigValueError as error:
         raise ConfigError(str(error)) from None
     check_names(config)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from rl_core.data.dataset import write_rows
+from rl_core.data.rows import write_rows
 from rl_core.data.synthetic import addition_rows, calc_rows, calc_transcript
 
 DEMO_VERSION = "v2"  # v2: the SFT warm start no longer depends on data.synthetic.train_size

@@ -141,18 +141,19 @@ def start_temporary_server(timeout_s: float = 120.0) -> Callable[[], None]:
     return wait
 
 
-def stop_temporary_server(task_runs: int, timeout_s: float = 30.0) -> None:
-    """Stop the temporary server this process started once it has recorded the ``task_runs`` task runs this process
-    made (the client's queued events and logs are sent first; at most ``timeout_s``). Stopped earlier, its task-run
-    recorder is cancelled mid-write: it prints tracebacks after a run that succeeded, and the last states are lost."""
+def stop_temporary_server(timeout_s: float = 30.0) -> None:
+    """Stop the temporary server this process started once it has recorded the task runs this process made (the
+    client's queued events and logs are sent first; at most ``timeout_s``). Stopped earlier, its task-run recorder is
+    cancelled mid-write: it prints tracebacks after a run that succeeded, and the last states are lost."""
     server = STARTED.pop("server", None)
     if server is None or server.server_process is None:
         return
     from prefect.events.worker import EventsWorker
     from prefect.logging.handlers import APILogWorker
 
-    from flows.stages import flush_reported_runs
+    from flows.stages import TASK_RUNS, flush_reported_runs
 
+    task_runs = TASK_RUNS["started"]
     flush_reported_runs()
     EventsWorker.drain_all(timeout=5)
     APILogWorker.drain_all(timeout=5)

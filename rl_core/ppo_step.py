@@ -50,6 +50,7 @@ from rl_core.batch_fields import (
     VALIDATE,
     VALUES,
 )
+from rl_core.config import use_critic, use_reference
 from rl_core.data.dataset import RLDataset
 from rl_core.data.sampler import ResumableSampler
 from rl_core.metrics import compute_data_metrics, multi_turn_metrics, rollout_probs_diff_metrics, validation_metrics
@@ -94,15 +95,6 @@ class StepWorkers:
 def run_directly(name: str, fn: Callable, *args: Any) -> Any:
     """The plain stage runner: call the stage."""
     return fn(*args)
-
-
-def use_critic(config: Any) -> bool:
-    enable = config.critic.enable
-    return bool(enable) if enable is not None else config.algorithm.adv_estimator == "gae"
-
-
-def use_reference(config: Any) -> bool:
-    return bool(config.algorithm.use_kl_in_reward) or bool(config.actor_rollout_ref.actor.use_kl_loss)
 
 
 def _for_workers(batch: Batch, *inputs: Batch) -> Batch:

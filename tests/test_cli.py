@@ -47,3 +47,17 @@ def test_tools_call_runs_one_call_of_a_built_in_or_configured_tool(tmp_path):
     (tmp_path / "tools.yaml").write_text("tools: []")
     refused = ppoflow("tools", "call", "--config", str(tmp_path / "tools.yaml"), "calculator", "{}")
     assert refused.returncode == 2 and "expected `tools:` with a list" in refused.stderr
+
+
+def test_a_refusal_imports_neither_torch_nor_ray_nor_prefect(tmp_path):
+    """What keeps a refusal in seconds: the checks of bad values and missing files import none of the heavy packages
+    (bench/refusals.py times them)."""
+    heavy = ("torch", "transformers", "ray", "prefect", "mlflow")
+    for override in ("data.train_batch_size=0", f"data.train_files={tmp_path}/missing.parquet"):
+        code = (
+            "import sys\nfrom flows.cli import main\n"
+            f"code = main(['train', {override!r}, 'trainer.default_local_dir={tmp_path}/checkpoints'])\n"
+            f"print(code, [name for name in {heavy!r} if name in sys.modules])"
+        )
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert result.stdout.splitlines()[-1] == "2 []", result.stdout + result.stderr

@@ -21,12 +21,13 @@ from flows.prefect_server import (
 LAUNCHED = time.monotonic()  # the command line's modules are light: this is when the command began
 
 
-def prefect_and_stack(args: argparse.Namespace) -> str:
+def prefect_and_stack(args: argparse.Namespace, console: bool = True) -> str:
     """Prefect's settings, then the stack's services when it is up (PREFECT_API_URL: set before Prefect is imported,
-    so that Prefect reads it), then a failed task run printed in one line unless ``--verbose``. Says what it uses."""
+    so that Prefect reads it), then (``console``) a failed task run printed in one line unless ``--verbose``, which
+    imports Prefect (seconds). Says what it uses."""
     configure_prefect()
     stack = use_stack()
-    if not args.verbose:
+    if console and not args.verbose:
         console_without_tracebacks()
     return stack
 
@@ -39,22 +40,26 @@ def phase(args: argparse.Namespace, done: str) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    print(f"ppoflow train: using {prefect_and_stack(args)}", flush=True)
+    print(f"ppoflow train: using {prefect_and_stack(args, console=False)}", flush=True)
     phase(args, "Prefect and the stack configured")
     from flows.config import ConfigError, compose_config
     from flows.resume import ResumeRefused, check_resume
+    from rl_core.config import ConfigValueError, check_algorithm_names
     from rl_core.input_checks import InputError, check_run_inputs
 
     # a wrong key, type or value, unusable data, model or reward, a resume under a changed config: one line each, in
-    # seconds, before Prefect starts
+    # seconds, before Prefect starts (torch is imported only for the algorithm names, last; Ray and Prefect after)
     try:
-        config = compose_config(args.overrides)
+        config = compose_config(args.overrides, algorithms=False)
         check_run_inputs(config)
+        check_algorithm_names(config)
         finished = check_resume(config)
-    except (ConfigError, InputError, ResumeRefused) as error:
+    except (ConfigError, ConfigValueError, InputError, ResumeRefused) as error:
         print("\n".join(f"ppoflow train: {line}" for line in str(error).splitlines()), file=sys.stderr)
         return 2
     phase(args, "config, inputs and resume checked")
+    if not args.verbose:
+        console_without_tracebacks()
     if finished is not None:
         print(
             f"ppoflow train: run {finished['run_id']} already finished at step {finished['step']}; raise "
@@ -214,9 +219,7 @@ def run_flow_command(args: argparse.Namespace) -> int:
         code = 1
     finally:
         _exit_at_once_on_signals(args.command)
-    from flows.stages import TASK_RUNS
-
-    stop_temporary_server(TASK_RUNS["started"])  # once it recorded them: no shutdown noise after the result
+    stop_temporary_server()  # once it recorded this command's task runs: no shutdown noise after the result
     return code
 
 

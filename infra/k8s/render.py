@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 from omegaconf import OmegaConf
 
-from infra.cluster import INLINE_OBJECTS_ENV
+from infra.ray_settings import INLINE_OBJECTS_ENV
 
 VALUES_FILE = Path(__file__).with_name("values.yaml")
 RAY_HEAD_SERVICE = "ppoflow-ray-head-svc"  # KubeRay names the head's service <cluster name>-head-svc

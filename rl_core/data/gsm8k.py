@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from rl_core.data.dataset import DatasetError, read_rows, write_rows
+from rl_core.data.rows import DatasetError, read_rows, write_rows
 
 DATA_SOURCE = "openai/gsm8k"
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'

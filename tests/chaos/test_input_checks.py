@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from rl_core.data.dataset import write_rows
+from rl_core.data.rows import write_rows
 from rl_core.data.synthetic import addition_rows
 from rl_core.input_checks import InputError, check_run_inputs
 from tests.conftest import ROOT

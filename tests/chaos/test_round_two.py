@@ -17,7 +17,7 @@ from flows.tracking import open_store
 from flows.train import train
 from flows.workers import WORKERS_NAMESPACE_TAG
 from infra import stack, watchdog
-from rl_core.data.dataset import write_rows
+from rl_core.data.rows import write_rows
 from rl_core.data.synthetic import addition_rows
 from rl_core.reward.manager import RewardTimeoutError
 from rl_core.step_checkpoint import StepCheckpoints

@@ -12,7 +12,7 @@ MANY_TASKS = """
 import sys
 from prefect import flow
 from flows.prefect_server import configure_prefect, start_temporary_server, stop_temporary_server
-from flows.stages import TASK_RUNS, StageRunner
+from flows.stages import StageRunner
 
 def stage(i):
     return i
@@ -28,7 +28,7 @@ from prefect.client.orchestration import get_client
 from flows.prefect_server import STARTED
 assert str(get_client().api_url).startswith(STARTED["server"].api_url)  # Prefect's clients use the launched server
 many(int(sys.argv[1]))
-stop_temporary_server(TASK_RUNS["started"])
+stop_temporary_server()
 """
 
 

@@ -23,7 +23,7 @@ from flows.train import train
 from flows.workers import WORKERS_NAMESPACE_TAG
 from rl_core.algos import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 from rl_core.config import ModelConfig
-from rl_core.data.dataset import write_rows
+from rl_core.data.rows import write_rows
 from rl_core.data.synthetic import calc_rows, calc_transcript
 from rl_core.models.families import FAMILIES
 from rl_core.models.folder import ModelLoadError

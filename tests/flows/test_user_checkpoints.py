@@ -1,6 +1,7 @@
 """`ppoflow train` on checkpoints saved through transformers' own tokenizer class, as a user's are (not the project's
 tiny builder): more tokens than embedding rows, and fewer, both train; the pad token past the rows is refused in one
-line before Ray, Prefect or MLflow start. On the session's Ray head and Prefect API (the command would start its own)."""
+line before Ray, Prefect or MLflow start. On the session's Ray head and Prefect API (the command would start its
+own)."""
 
 import json
 import os
@@ -12,7 +13,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from prefect.settings import PREFECT_API_URL
 
-from rl_core.data.dataset import write_rows
+from rl_core.data.rows import write_rows
 from rl_core.data.synthetic import addition_rows
 from tests.conftest import ROOT, small_run_overrides
 from tests.rl_core.transformers_checkpoint import TOKENS, save_user_checkpoint

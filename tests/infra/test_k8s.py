@@ -6,8 +6,8 @@ import sys
 import pytest
 import yaml
 
-from infra.cluster import INLINE_OBJECTS_ENV
 from infra.k8s.render import VALUES_FILE, load_values, render
+from infra.ray_settings import INLINE_OBJECTS_ENV
 from tests.conftest import ROOT
 
 

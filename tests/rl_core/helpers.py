@@ -1,6 +1,7 @@
 """Small builders shared by the rl_core tests."""
 
-from rl_core.data.dataset import RLDataset, write_rows
+from rl_core.data.dataset import RLDataset
+from rl_core.data.rows import write_rows
 from rl_core.data.synthetic import addition_rows
 
 

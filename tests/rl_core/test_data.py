@@ -6,7 +6,8 @@ import pytest
 
 from rl_core.config import DataConfig, ModelConfig
 from rl_core.data import gsm8k
-from rl_core.data.dataset import DatasetError, RLDataset, read_rows, write_rows
+from rl_core.data.dataset import RLDataset
+from rl_core.data.rows import DatasetError, read_rows, write_rows
 from rl_core.data.sampler import ResumableSampler
 from rl_core.data.synthetic import addition_rows, calc_rows, calc_transcript
 from rl_core.models.loading import load_policy_tokenizer, load_tokenizer

@@ -13,7 +13,8 @@ from omegaconf import OmegaConf
 
 def save_and_restore(rank: int, port: int, config_yaml: str, folder: str, results: dict) -> None:
     from rl_core.batch import Batch
-    from rl_core.data.dataset import RLDataset, write_rows
+    from rl_core.data.dataset import RLDataset
+    from rl_core.data.rows import write_rows
     from rl_core.data.synthetic import addition_rows
     from rl_core.models.loading import load_policy_model
     from rl_core.models.logprob import response_log_probs

@@ -7,7 +7,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from rl_core.config import ModelConfig
-from rl_core.data.dataset import write_rows
+from rl_core.data.rows import write_rows
 from rl_core.data.synthetic import addition_rows
 from rl_core.input_checks import InputError, check_run_inputs
 from rl_core.models.folder import ModelLoadError

@@ -1,0 +1,24 @@
+"""The environment of every Ray process a run starts or joins, and the token file's permissions: what the embedded
+cluster (infra/cluster.py), the stack's Ray head (infra/stack.py) and the Kubernetes manifests (infra/k8s) share,
+without importing Ray (which takes a second)."""
+
+from __future__ import annotations
+
+import os
+
+# the embedded cluster: on 127.0.0.1, with Ray's token authentication on (its token in ~/.ray/auth_token)
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token"}
+# clusters this module starts run workers at normal priority: Ray's default niceness (15) lets the controller's
+# own threads preempt the training threads, which stalls every multi-threaded torch op (measured: step 1.38x -> 1.22x)
+LOCAL_CLUSTER_ENV = {"RAY_worker_niceness": "0"}
+# every process of a run (the driver too, whichever cluster it joins) passes objects up to 4 MiB inside the call
+# instead of through the shared-memory object store (Ray's default stops at 100 KiB): a step's batch and its
+# results travel inline, measured 2.5-3 ms less per call at 150 KB and a batch-16 demo step 1.2-1.3x faster on Ray
+INLINE_OBJECTS_ENV = {"RAY_max_direct_call_object_size": str(4 * 1024 * 1024)}
+
+
+def secure_auth_token() -> None:
+    """Ray writes its token file readable by everyone (0644): make it the owner's only."""
+    path = os.path.expanduser(os.environ.get("RAY_AUTH_TOKEN_PATH", "~/.ray/auth_token"))
+    if os.path.isfile(path) and os.stat(path).st_mode & 0o077:
+        os.chmod(path, 0o600)

@@ -1,0 +1,99 @@
+"""Dataset files and their rows, read and checked without torch (the run's input checks use them before anything
+starts): .parquet or .jsonl files of verl-format rows (:mod:`rl_core.data.dataset` describes a row)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+class DatasetError(ValueError):
+    """A dataset file or row is unusable; the message names the file, row and column."""
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    """All rows of a .parquet, .jsonl or .json file as dicts."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise DatasetError(f"{path}: no such dataset file")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    if path.suffix in (".jsonl", ".json"):
+        rows = []
+        with path.open() as handle:
+            for number, line in enumerate(handle):
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as error:
+                        raise DatasetError(f"{path}: line {number + 1} is not valid JSON ({error})") from error
+        return rows
+    raise DatasetError(f"{path}: unsupported file type {path.suffix!r}; use .parquet or .jsonl")
+
+
+def peek_rows(path: str | Path, count: int) -> tuple[int, list[dict]]:
+    """(number of rows, the first ``count`` rows) of a .parquet or .jsonl file without reading it all (a parquet
+    file's row count is in its footer; a jsonl file's lines are counted, not parsed)."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise DatasetError(f"{path}: no such dataset file")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            source = pq.ParquetFile(path)
+            first = next(source.iter_batches(batch_size=count), None)
+        except Exception as error:  # pyarrow's own errors: not a parquet file, truncated, ...
+            raise DatasetError(f"{path}: not a readable parquet file ({type(error).__name__}: {error})") from None
+        return source.metadata.num_rows, first.to_pylist() if first is not None else []
+    if path.suffix in (".jsonl", ".json"):
+        rows, total = [], 0
+        with path.open() as handle:
+            for number, line in enumerate(handle):
+                if not line.strip():
+                    continue
+                total += 1
+                if len(rows) < count:
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as error:
+                        raise DatasetError(f"{path}: line {number + 1} is not valid JSON ({error})") from error
+        return total, rows
+    raise DatasetError(f"{path}: unsupported file type {path.suffix!r}; use .parquet or .jsonl")
+
+
+def write_rows(rows: list[dict], path: str | Path) -> Path:
+    """Write rows as parquet (``.parquet``) or JSON lines (``.jsonl``)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    else:
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def validate_row(row: dict, where: str, prompt_key: str = "prompt") -> None:
+    """Check the columns every stage needs; ``where`` is "file: row N" for the message."""
+    if not isinstance(row.get("data_source"), str):
+        raise DatasetError(f"{where} has no string 'data_source' column (it picks the reward scorer)")
+    prompt = row.get(prompt_key)
+    if isinstance(prompt, str) or (
+        isinstance(prompt, (list, tuple))
+        and prompt
+        and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt)
+    ):
+        pass
+    else:
+        raise DatasetError(
+            f"{where}: column '{prompt_key}' must be a list of {{'role', 'content'}} messages or a string, got "
+            f"{prompt!r:.80}"
+        )
+    reward_model = row.get("reward_model")
+    if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
+        raise DatasetError(f"{where} has no 'reward_model.ground_truth' (needed by the rule and custom reward scorers)")
