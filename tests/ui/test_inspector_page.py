@@ -32,6 +32,8 @@ def store(tmp_path_factory, demo_cache, ray_address, prefect_api):
     experiment = client.get_experiment_by_name("ppoflow").experiment_id
     hostile = client.create_run(experiment, run_name="hostile").info.run_id
     client.log_param(hostile, "algorithm.adv_estimator", "rloo")
+    # a path with no place to break a line (the page must still fit 1000 px)
+    client.log_param(hostile, "actor_rollout_ref.model.path", "/home/researcher/checkpoints/qwen2_5_7b_instruct_sft_v3")
     client.log_metric(hostile, "critic/score/mean", 0.5, step=1)
     client.log_table(
         hostile,
@@ -240,6 +242,12 @@ def chart_boxes(browser):
 def test_every_chart_fits_its_own_cell(browser, server, store, width):
     open_page(browser, server, select_runs={store["run_id"], store["hostile"]}, width=width)
     viewport = browser.execute_script("return document.documentElement.clientWidth")
+    # the page itself does not scroll sideways: no element reaches past the viewport
+    assert browser.execute_script("return document.documentElement.scrollWidth") <= viewport, browser.execute_script(
+        "return [...document.querySelectorAll('body *')].filter(e => e.getBoundingClientRect().right > "
+        "document.documentElement.clientWidth).slice(0, 5).map(e => e.tagName + '#' + e.id + '.' + e.className + ' ' + "
+        "Math.round(e.getBoundingClientRect().right))"
+    )
     boxes = chart_boxes(browser)
     assert len(boxes) >= 8  # six curves and a timeline per run
     for box in boxes:
