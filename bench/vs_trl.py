@@ -78,24 +78,46 @@ def greedy_accuracy(model_dir: str, val_file: str) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- the runs
+# ppoflow's settings besides the workload's sizes (--settings): the demo profile's; verl's defaults (what a user's own
+# model gets: micro-batches, gradient checkpointing, the old-log-prob pass, rollout log-probs, balanced batches); and
+# verl's defaults with TRL's equivalents where TRL's trainer differs (one micro-batch of the whole batch, no gradient
+# checkpointing, the old log-probs from the update's own forward pass)
+SETTINGS = {
+    "demo": ["+profile=demo", "actor_rollout_ref.actor.recompute_old_log_prob=false"],
+    "verl": [],
+    "trl": [
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1024",
+        "critic.ppo_micro_batch_size_per_gpu=1024",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=false",
+        "critic.model.enable_gradient_checkpointing=false",
+        "actor_rollout_ref.actor.recompute_old_log_prob=false",
+    ],
+}
+
+
 def run_ppoflow(args: argparse.Namespace, folder: str, model: str, train: str, val: str, *algorithm: str) -> dict:
-    """``ppoflow train`` (the flow on a Ray worker, as the command runs it) with one PPO epoch and one mini-batch."""
+    """``ppoflow train`` (the flow on a Ray worker, as the command runs it) with one PPO epoch and one mini-batch, the
+    demo's prompt and response lengths and learning rate (TRL's too), and ``--settings`` for the rest."""
     from mlflow.tracking import MlflowClient
 
+    from flows.config import compose_config
     from flows.prefect_server import configure_prefect, start_temporary_server
     from flows.train import train as train_flow
 
     configure_prefect()
     start_temporary_server()()  # the wait for it
+    demo = compose_config([])
     result = train_flow(
         overrides=[
-            "+profile=demo",
+            *SETTINGS[args.settings],
             f"actor_rollout_ref.model.path={model}",
             f"data.train_files={train}",
             f"data.val_files={val}",
-            *([f"data.max_response_length={args.response_length}"] if args.response_length else []),
+            f"data.max_prompt_length={demo.data.max_prompt_length}",
+            f"data.max_response_length={args.response_length or demo.data.max_response_length}",
+            f"actor_rollout_ref.actor.optim.lr={demo.actor_rollout_ref.actor.optim.lr}",
+            f"critic.optim.lr={demo.critic.optim.lr}",
             "actor_rollout_ref.actor.use_kl_loss=false",
-            "actor_rollout_ref.actor.recompute_old_log_prob=false",
             f"trainer.total_training_steps={args.steps}",
             "trainer.test_freq=-1",
             "trainer.val_before_train=false",
@@ -126,6 +148,7 @@ def run_ppoflow_grpo(args: argparse.Namespace, folder: str, model: str, train: s
         model,
         train,
         val,
+        "algorithm.adv_estimator=grpo",
         f"data.train_batch_size={args.prompts}",
         f"actor_rollout_ref.rollout.n={args.n}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts}",
@@ -376,6 +399,12 @@ def main() -> None:
         help="a random ~24M-parameter Qwen2 (its responses run to the limit) instead of the tiny demo model",
     )
     parser.add_argument("--response-length", type=int, help="new tokens per response (default: the demo's 8)")
+    parser.add_argument(
+        "--settings",
+        choices=list(SETTINGS),
+        default="demo",
+        help="ppoflow's other settings: the demo profile's (default), verl's defaults, or TRL's equivalents",
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -387,6 +416,7 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(result))
         return
     argv = [f"--steps={args.steps}", f"--prompts={args.prompts}", f"--n={args.n}", f"--cache={args.cache}"]
+    argv.append(f"--settings={args.settings}")
     argv += ["--compute-bound"] * args.compute_bound + [f"--response-length={args.response_length}"] * bool(
         args.response_length
     )
@@ -394,7 +424,8 @@ def main() -> None:
     rows = {name: summary(measure(name, argv), args.warmup) for name in args.only or RUNS}
     print(
         f"demo task{', a random ~24M Qwen2' if args.compute_bound else ''}, {args.steps} steps of {args.prompts} "
-        f"prompts x {args.n} responses of at most {args.response_length or 8} new tokens; greedy validation accuracy "
+        f"prompts x {args.n} responses of at most {args.response_length or 8} new tokens, ppoflow with {args.settings} "
+        "settings; greedy validation accuracy "
         f"before training {before:.3f}"
     )
     print(f"{'run':<14}{'step median (s)':>16}{'tokens/s':>10}{'peak RSS (GB)':>15}{'val accuracy':>14}")
@@ -418,6 +449,7 @@ def main() -> None:
                 "n": args.n,
                 "compute_bound": args.compute_bound,
                 "response_length": args.response_length,
+                "settings": args.settings,
                 "val_accuracy_before": round(before, 4),
                 **rows,
                 **ratios,

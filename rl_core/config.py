@@ -129,7 +129,9 @@ class PolicyLossConfig:
 class ActorConfig:
     strategy: str = "fsdp"  # fsdp | fsdp2: both are FSDP2 (fully_shard) here
     ppo_mini_batch_size: int = 256  # in prompts; x rollout.n responses per optimizer step
-    ppo_micro_batch_size_per_gpu: int = 4  # responses per forward/backward (gradient accumulation; verl: no default)
+    # responses per forward/backward (gradient accumulation); null (verl: must be set): packed by tokens, as with
+    # use_dynamic_bsz (rl_core.workers.micro_batches.micro_batch_limits)
+    ppo_micro_batch_size_per_gpu: int | None = None
     # true: micro-batches packed by tokens (at most ppo_max_token_len_per_gpu real tokens), not by count
     use_dynamic_bsz: bool = False
     ppo_max_token_len_per_gpu: int = 16384
@@ -158,7 +160,7 @@ class ActorConfig:
 
 @dataclass
 class RefConfig:
-    log_prob_micro_batch_size_per_gpu: int = 8  # verl: no default
+    log_prob_micro_batch_size_per_gpu: int | None = None  # null: packed by log_prob_max_token_len_per_gpu tokens
     log_prob_use_dynamic_bsz: bool = "${actor_rollout_ref.actor.use_dynamic_bsz}"  # type: ignore[assignment]
     log_prob_max_token_len_per_gpu: int = (  # type: ignore[assignment]
         "${actor_rollout_ref.actor.ppo_max_token_len_per_gpu}"
@@ -206,7 +208,7 @@ class RolloutConfig:
     prompt_length: int = "${data.max_prompt_length}"  # type: ignore[assignment]
     response_length: int = "${data.max_response_length}"  # type: ignore[assignment]
     generation_batch_size: int = 256  # sequences generated at once; bounds memory
-    log_prob_micro_batch_size_per_gpu: int = 8  # verl: no default
+    log_prob_micro_batch_size_per_gpu: int | None = None  # null: packed by log_prob_max_token_len_per_gpu tokens
     log_prob_use_dynamic_bsz: bool = "${actor_rollout_ref.actor.use_dynamic_bsz}"  # type: ignore[assignment]
     log_prob_max_token_len_per_gpu: int = (  # type: ignore[assignment]
         "${actor_rollout_ref.actor.ppo_max_token_len_per_gpu}"
@@ -264,8 +266,8 @@ class CriticConfig:
     strategy: str = "fsdp"
     rollout_n: int = "${actor_rollout_ref.rollout.n}"  # type: ignore[assignment]
     ppo_mini_batch_size: int = "${actor_rollout_ref.actor.ppo_mini_batch_size}"  # type: ignore[assignment]
-    ppo_micro_batch_size_per_gpu: int = 4  # verl: no default
-    forward_micro_batch_size_per_gpu: int = "${critic.ppo_micro_batch_size_per_gpu}"  # type: ignore[assignment]
+    ppo_micro_batch_size_per_gpu: int | None = None  # null: packed by ppo_max_token_len_per_gpu tokens
+    forward_micro_batch_size_per_gpu: int | None = "${critic.ppo_micro_batch_size_per_gpu}"  # type: ignore[assignment]
     use_dynamic_bsz: bool = "${actor_rollout_ref.actor.use_dynamic_bsz}"  # type: ignore[assignment]
     ppo_max_token_len_per_gpu: int = 32768
     forward_max_token_len_per_gpu: int = "${critic.ppo_max_token_len_per_gpu}"  # type: ignore[assignment]
@@ -480,6 +482,25 @@ POSITIVE = (
 )
 
 
+# micro-batch sizes whose null means micro-batches packed by a token budget: key -> (the budget, its dynamic switch)
+NULL_IS_A_TOKEN_BUDGET = {
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": (
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+        "actor_rollout_ref.actor.use_dynamic_bsz",
+    ),
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": (
+        "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+        "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
+    ),
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": (
+        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz",
+    ),
+    "critic.ppo_micro_batch_size_per_gpu": ("critic.ppo_max_token_len_per_gpu", "critic.use_dynamic_bsz"),
+    "critic.forward_micro_batch_size_per_gpu": ("critic.forward_max_token_len_per_gpu", "critic.use_dynamic_bsz"),
+}
+
+
 class ConfigValueError(ValueError):
     """A value of the right type that cannot work (a bad choice, a non-positive size, ...)."""
 
@@ -516,8 +537,19 @@ def check_config(config: Any, algorithms: bool = True) -> None:
             raise ConfigValueError(f"{key}={value!r}: choose one of {', '.join(sorted(allowed))}")
     for key in POSITIVE:
         value = OmegaConf.select(config, key)
-        if not value > 0:
+        if not (value is None and key in NULL_IS_A_TOKEN_BUDGET) and not value > 0:
             raise ConfigValueError(f"{key}={value!r}: must be > 0")
+    for key, (budget_key, dynamic_key) in NULL_IS_A_TOKEN_BUDGET.items():
+        budget, longest = (
+            OmegaConf.select(config, budget_key),
+            config.data.max_prompt_length + config.data.max_response_length,
+        )
+        by_tokens = OmegaConf.select(config, key) is None or OmegaConf.select(config, dynamic_key)
+        if by_tokens and budget < longest:
+            raise ConfigValueError(
+                f"{budget_key}={budget} is shorter than the longest sequence (data.max_prompt_length + "
+                f"data.max_response_length = {longest}), and {key} packs micro-batches by it; raise it, or set {key}"
+            )
     if config.reward.timeout_s is not None and not config.reward.timeout_s > 0:
         raise ConfigValueError(f"reward.timeout_s={config.reward.timeout_s}: must be > 0 (or null for no limit)")
     steps = config.trainer.total_training_steps

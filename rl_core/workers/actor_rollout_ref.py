@@ -57,7 +57,7 @@ from rl_core.rollout import build_rollout_engine
 from rl_core.workers.data_parallel import global_sum
 from rl_core.workers.dispatch import DP_COMPUTE, ONE_TO_ALL, dispatch
 from rl_core.workers.fsdp import full_parameters, optimizer_state_on_device, shard_module
-from rl_core.workers.micro_batches import in_micro_batches
+from rl_core.workers.micro_batches import in_micro_batches, micro_batch_limits
 from rl_core.workers.train_loop import local_mini_batch_size, run_updates
 from rl_core.workers.trainable_state import load_model_weights, load_trainable, save_trainable
 
@@ -197,8 +197,11 @@ class ActorRolloutRefWorker:
         """old_log_probs and entropys of the responses under the current actor."""
         self._require(self.is_actor, "compute_log_prob", "actor")
         rollout = self.rollout_config
-        micro = int(rollout.log_prob_micro_batch_size_per_gpu)
-        max_tokens = int(rollout.log_prob_max_token_len_per_gpu) if rollout.log_prob_use_dynamic_bsz else None
+        micro, max_tokens = micro_batch_limits(
+            rollout.log_prob_micro_batch_size_per_gpu,
+            rollout.log_prob_use_dynamic_bsz,
+            rollout.log_prob_max_token_len_per_gpu,
+        )
         log_probs, entropy = self._log_probs(self.module, batch, micro, max_tokens, calculate_entropy=True)
         return Batch(
             {OLD_LOG_PROBS: log_probs, ENTROPYS: entropy},
@@ -211,8 +214,9 @@ class ActorRolloutRefWorker:
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         self._require(self.is_ref, "compute_ref_log_prob", "ref")
         ref = self.config.ref
-        micro = int(ref.log_prob_micro_batch_size_per_gpu)
-        max_tokens = int(ref.log_prob_max_token_len_per_gpu) if ref.log_prob_use_dynamic_bsz else None
+        micro, max_tokens = micro_batch_limits(
+            ref.log_prob_micro_batch_size_per_gpu, ref.log_prob_use_dynamic_bsz, ref.log_prob_max_token_len_per_gpu
+        )
         with adapter_disabled(self.ref_module) if self.ref_module is self.module else contextlib.nullcontext():
             log_probs, _ = self._log_probs(self.ref_module, batch, micro, max_tokens, calculate_entropy=False)
         return Batch({REF_LOG_PROB: log_probs})
@@ -279,8 +283,9 @@ class ActorRolloutRefWorker:
                 self.optimizer,
                 batch,
                 mini_batch_size=local_mini_batch_size(int(actor.ppo_mini_batch_size) * n),
-                micro_batch_size=int(actor.ppo_micro_batch_size_per_gpu),
-                max_tokens=int(actor.ppo_max_token_len_per_gpu) if actor.use_dynamic_bsz else None,
+                micro_batch_limits=micro_batch_limits(
+                    actor.ppo_micro_batch_size_per_gpu, actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu
+                ),
                 epochs=int(actor.ppo_epochs),
                 shuffle=bool(actor.shuffle),
                 seed=self.steps_trained,
@@ -356,7 +361,7 @@ class ActorRolloutRefWorker:
         self,
         module: torch.nn.Module,
         batch: Batch,
-        micro_batch_size: int,
+        micro_batch_size: int | None,
         max_tokens: int | None,
         calculate_entropy: bool,
     ):

@@ -23,7 +23,7 @@ from rl_core.models.optim import build_lr_scheduler, build_optimizer
 from rl_core.models.value_head import load_critic_model
 from rl_core.workers.dispatch import DP_COMPUTE, ONE_TO_ALL, dispatch
 from rl_core.workers.fsdp import optimizer_state_on_device, shard_module
-from rl_core.workers.micro_batches import in_micro_batches
+from rl_core.workers.micro_batches import in_micro_batches, micro_batch_limits
 from rl_core.workers.train_loop import local_mini_batch_size, run_updates
 from rl_core.workers.trainable_state import load_trainable, save_trainable
 
@@ -74,8 +74,9 @@ class CriticWorker:
         """V(s_t) for every response position, zero outside the response mask."""
         self.module.eval()
         config = self.config
-        micro = int(config.forward_micro_batch_size_per_gpu)
-        max_tokens = int(config.forward_max_token_len_per_gpu) if config.use_dynamic_bsz else None
+        micro, max_tokens = micro_batch_limits(
+            config.forward_micro_batch_size_per_gpu, config.use_dynamic_bsz, config.forward_max_token_len_per_gpu
+        )
         (values,) = in_micro_batches(batch, micro, max_tokens, lambda m: (self._values(m),))
         values = values * batch.tensors[RESPONSE_MASK]
         return Batch({VALUES: values})
@@ -112,8 +113,9 @@ class CriticWorker:
                 self.optimizer,
                 batch,
                 mini_batch_size=local_mini_batch_size(int(config.ppo_mini_batch_size) * n),
-                micro_batch_size=int(config.ppo_micro_batch_size_per_gpu),
-                max_tokens=int(config.ppo_max_token_len_per_gpu) if config.use_dynamic_bsz else None,
+                micro_batch_limits=micro_batch_limits(
+                    config.ppo_micro_batch_size_per_gpu, config.use_dynamic_bsz, config.ppo_max_token_len_per_gpu
+                ),
                 epochs=int(config.ppo_epochs),
                 shuffle=bool(config.shuffle),
                 seed=self.steps_trained,

@@ -1,6 +1,8 @@
 """How a worker cuts a batch into micro-batches (one forward, or one forward and backward, each): by count
-(``*_micro_batch_size_per_gpu`` rows), or by tokens (verl's ``use_dynamic_bsz``: at most ``*_max_token_len_per_gpu``
-real tokens, prompt and response, in each).
+(``*_micro_batch_size_per_gpu`` rows), or by tokens (verl's ``use_dynamic_bsz``, and whenever no row count is set, the
+default: at most ``*_max_token_len_per_gpu`` real tokens, prompt and response, in each; :func:`micro_batch_limits`).
+A token budget suits the batch at hand: a few long sequences or many short ones (64 responses of 24 tokens: one
+forward pass instead of 16 of 4 rows).
 
 Packing by tokens puts several short sequences where one long one would go, so a batch of very uneven lengths takes
 fewer, fuller forward passes than fixed counts sized for the longest. It changes no result: a micro-batch's loss is
@@ -20,6 +22,14 @@ from rl_core.batch_fields import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, PROMPT
 from rl_core.workers.data_parallel import global_max
 
 SEQUENCE_FIELDS = (INPUT_IDS, ATTENTION_MASK, POSITION_IDS)  # (B, P + R); every other 2-D tensor but PROMPTS is (B, R)
+
+
+def micro_batch_limits(rows: int | None, use_dynamic_bsz: bool, max_tokens: int) -> tuple[int | None, int | None]:
+    """A section's micro-batch bounds, (rows, tokens): by ``max_tokens`` tokens when ``use_dynamic_bsz`` is on or no
+    row count is set (``rows`` null), by ``rows`` rows otherwise."""
+    if use_dynamic_bsz or rows is None:
+        return None, int(max_tokens)
+    return int(rows), None
 
 
 def pack_by_tokens(lengths: list[int], max_tokens: int) -> list[list[int]]:
@@ -56,7 +66,7 @@ def split_into(groups: list[list[int]], count: int) -> list[list[int]]:
     return groups
 
 
-def micro_batch_rows(batch: Batch, micro_batch_size: int, max_tokens: int | None = None) -> list[list[int]]:
+def micro_batch_rows(batch: Batch, micro_batch_size: int | None, max_tokens: int | None = None) -> list[list[int]]:
     """Each micro-batch's rows: runs of ``micro_batch_size`` consecutive rows, or, with ``max_tokens``, the rows
     packed by their real tokens (:func:`pack_by_tokens`), as many groups on every rank."""
     rows = len(batch)
@@ -89,7 +99,7 @@ def trim_response_padding(micro: Batch) -> Batch:
 
 
 def in_micro_batches(
-    batch: Batch, micro_batch_size: int, max_tokens: int | None, forward: Callable[[Batch], tuple]
+    batch: Batch, micro_batch_size: int | None, max_tokens: int | None, forward: Callable[[Batch], tuple]
 ) -> tuple[torch.Tensor | None, ...]:
     """``forward(micro)`` (a tuple of (rows, response columns) tensors, or None) on each micro-batch
     (:func:`micro_batch_rows`, :func:`trim_response_padding`), the pieces padded back to the batch's response width

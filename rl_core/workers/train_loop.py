@@ -63,8 +63,7 @@ def run_updates(
     optimizer: torch.optim.Optimizer,
     batch: Batch,
     mini_batch_size: int,
-    micro_batch_size: int,
-    max_tokens: int | None,
+    micro_batch_limits: tuple[int | None, int | None],
     epochs: int,
     shuffle: bool,
     seed: int,
@@ -73,8 +72,8 @@ def run_updates(
 ) -> dict[str, float]:
     """Run the loop; ``micro_loss(micro, batch_info, share)`` returns the micro-batch's part of the mini-batch's loss
     and its metrics (``share``: the micro-batch's rows / the rank's mini-batch rows, for a loss that is a micro-batch
-    mean). Micro-batches hold ``micro_batch_size`` rows, or at most ``max_tokens`` tokens when it is given
-    (rl_core/workers/micro_batches.py).
+    mean). ``micro_batch_limits``: a micro-batch's (rows, tokens), one of them set
+    (:func:`rl_core.workers.micro_batches.micro_batch_limits`).
 
     Returns metrics averaged over mini-batches (``<name>/grad_norm`` and per-micro metrics averaged over micros;
     the loss metrics that ``micro_loss`` reports as ``*_loss`` are summed over micros = the mini-batch loss).
@@ -86,7 +85,7 @@ def run_updates(
         info = global_batch_info(mini)
         optimizer.zero_grad(set_to_none=True)
         micro_metrics: dict[str, list[float]] = defaultdict(list)
-        for rows in micro_batch_rows(mini, micro_batch_size, max_tokens):
+        for rows in micro_batch_rows(mini, *micro_batch_limits):
             micro = trim_response_padding(mini[rows])
             loss, metrics = micro_loss(micro, info, len(micro) / len(mini))
             if any_rank(not bool(torch.isfinite(loss))):  # all ranks stop together, before backward's collectives

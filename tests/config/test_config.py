@@ -100,6 +100,22 @@ def test_bad_values_are_refused_naming_the_key(override, message):
         compose_config([override])
 
 
+def test_a_token_budget_shorter_than_a_sequence_is_refused_where_it_packs_micro_batches():
+    short = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16"  # the demo's sequences: 32 + 8 tokens
+    compose_config([short])  # the demo's micro-batches go by count
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16 is shorter than the longest sequence "
+            "(data.max_prompt_length + data.max_response_length = 40), and "
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu packs micro-batches by it"
+        ),
+    ):
+        compose_config([short, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null"])
+    own = compose_config(["actor_rollout_ref.model.path=/models/m"])  # verl's defaults: null, packed by 16384 tokens
+    assert own.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu is None
+
+
 def test_dict_fields_take_keys_of_their_own():
     config = compose_config(
         ["+custom_reward_function.reward_kwargs.bonus=2", "+actor_rollout_ref.model.override_config.rope_theta=5.0"]

@@ -190,12 +190,6 @@ DELIBERATE_DIFFERENCES = {
     "actor_rollout_ref.rollout.tensor_model_parallel_size": "tensor parallelism is vllm's only; 1 runs on one GPU",
     "actor_rollout_ref.actor.fsdp_config.dtype": "auto = bfloat16 on CUDA (verl's), float32 on the CPU",
     "critic.fsdp.dtype": "auto = bfloat16 on CUDA (verl's), float32 on the CPU",
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "verl has no default (it must be set); 4, verl's quick "
-    "start",
-    "critic.ppo_micro_batch_size_per_gpu": "verl has no default (it must be set); 4, verl's quick start",
-    "critic.forward_micro_batch_size_per_gpu": "verl's is the critic's ppo micro-batch size, as here: 4",
-    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": "verl has no default; 8, verl's quick start",
-    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": "verl has no default; 8, verl's quick start",
     "data.seed": "verl's null leaves the shuffle unseeded; 1 makes runs repeat and resume exactly",
     "custom_reward_function.name": "verl's null means compute_score",
     "reward_model.enable": "verl's null means false",

@@ -12,6 +12,7 @@ from rl_core.batch import Batch
 from rl_core.workers import ActorRolloutRefWorker, CriticWorker
 from rl_core.workers.micro_batches import (
     in_micro_batches,
+    micro_batch_limits,
     micro_batch_rows,
     pack_by_tokens,
     split_into,
@@ -97,8 +98,11 @@ def test_token_budget_gives_the_same_log_probs_values_and_update(tmp_path, confi
     batch.union(Batch(critic.compute_values(batch).tensors))
     batch.tensors["returns"] = torch.ones_like(batch.tensors["values"]) * batch.tensors["response_mask"]
     results = []
-    for dynamic in (False, True):
-        config.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu = 2
+    # by count; by tokens (use_dynamic_bsz); by tokens because no micro-batch size is set (the default)
+    for micro, dynamic in ((2, False), (2, True), (None, False)):
+        config.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu = micro
+        config.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu = micro
+        config.critic.ppo_micro_batch_size_per_gpu = micro
         config.actor_rollout_ref.actor.use_dynamic_bsz = dynamic  # ref's, rollout's and critic's follow it
         config.actor_rollout_ref.actor.ppo_max_token_len_per_gpu = budget
         config.critic.ppo_max_token_len_per_gpu = budget
@@ -115,11 +119,14 @@ def test_token_budget_gives_the_same_log_probs_values_and_update(tmp_path, confi
         weights = torch.cat([p.flatten() for p in fresh.module.parameters()])
         critic_weights = torch.cat([p.flatten() for p in fresh_critic.module.parameters()])
         results.append((log_probs, values, metrics, critic_metrics, weights, critic_weights))
-    (lp_a, v_a, m_a, c_a, w_a, cw_a), (lp_b, v_b, m_b, c_b, w_b, cw_b) = results
     mask = batch.tensors["response_mask"]  # (a padded pass's values past a response's end are not used)
-    assert torch.allclose(lp_a["old_log_probs"] * mask, lp_b["old_log_probs"] * mask, atol=1e-5)
-    assert torch.allclose(lp_a["entropys"] * mask, lp_b["entropys"] * mask, atol=1e-5)
-    assert torch.allclose(v_a, v_b, atol=1e-5)
-    assert m_a["actor/pg_loss"] == pytest.approx(m_b["actor/pg_loss"], abs=1e-5)
-    assert c_a["critic/vf_loss"] == pytest.approx(c_b["critic/vf_loss"], abs=1e-5)
-    assert torch.allclose(w_a, w_b, atol=2e-5) and torch.allclose(cw_a, cw_b, atol=2e-5)  # only the sums' order differs
+    (lp_a, v_a, m_a, c_a, w_a, cw_a) = results[0]
+    for lp_b, v_b, m_b, c_b, w_b, cw_b in results[1:]:
+        assert torch.allclose(lp_a["old_log_probs"] * mask, lp_b["old_log_probs"] * mask, atol=1e-5)
+        assert torch.allclose(lp_a["entropys"] * mask, lp_b["entropys"] * mask, atol=1e-5)
+        assert torch.allclose(v_a, v_b, atol=1e-5)
+        assert m_a["actor/pg_loss"] == pytest.approx(m_b["actor/pg_loss"], abs=1e-5)
+        assert c_a["critic/vf_loss"] == pytest.approx(c_b["critic/vf_loss"], abs=1e-5)
+        assert torch.allclose(w_a, w_b, atol=2e-5) and torch.allclose(cw_a, cw_b, atol=2e-5)  # the sums' order differs
+    assert micro_batch_limits(None, False, budget) == micro_batch_limits(2, True, budget) == (None, budget)
+    assert micro_batch_limits(2, False, budget) == (2, None)
