@@ -39,7 +39,8 @@ from rl_core.algos.kl import get_kl_controller  # noqa: E402
 from rl_core.batch import Batch  # noqa: E402
 from rl_core.batch_fields import ADVANTAGES, ATTENTION_MASK, OLD_LOG_PROBS, REF_LOG_PROB, RESPONSE_MASK  # noqa: E402
 from rl_core.config import PPOTrainerConfig  # noqa: E402
-from rl_core.data.dataset import RLDataset, write_rows  # noqa: E402
+from rl_core.data.dataset import RLDataset  # noqa: E402
+from rl_core.data.rows import write_rows  # noqa: E402
 from rl_core.data.sampler import ResumableSampler  # noqa: E402
 from rl_core.data.synthetic import addition_rows  # noqa: E402
 from rl_core.models.tiny import make_tiny_model  # noqa: E402
