@@ -526,6 +526,22 @@ def check_algorithm_names(config: Any) -> None:
             raise ConfigValueError(f"{key}={value!r}: choose one of {', '.join(sorted(allowed))}")
 
 
+def check_token_budgets(config: Any) -> None:
+    """Refuse a token budget shorter than the longest sequence where it packs micro-batches (a null micro-batch size,
+    or ``use_dynamic_bsz``): the first long sequence would fail mid-run."""
+    from omegaconf import OmegaConf
+
+    longest = config.data.max_prompt_length + config.data.max_response_length
+    for key, (budget_key, dynamic_key) in NULL_IS_A_TOKEN_BUDGET.items():
+        budget = OmegaConf.select(config, budget_key)
+        by_tokens = OmegaConf.select(config, key) is None or OmegaConf.select(config, dynamic_key)
+        if by_tokens and budget < longest:
+            raise ConfigValueError(
+                f"{budget_key}={budget} is shorter than the longest sequence (data.max_prompt_length + "
+                f"data.max_response_length = {longest}), and {key} packs micro-batches by it; raise it, or set {key}"
+            )
+
+
 def check_config(config: Any, algorithms: bool = True) -> None:
     """Refuse values that the types allow but the run cannot use, naming the key and the fix; the algorithm names
     last (:func:`check_algorithm_names`), unless ``algorithms`` is false (a caller that checks them later)."""
@@ -539,17 +555,7 @@ def check_config(config: Any, algorithms: bool = True) -> None:
         value = OmegaConf.select(config, key)
         if not (value is None and key in NULL_IS_A_TOKEN_BUDGET) and not value > 0:
             raise ConfigValueError(f"{key}={value!r}: must be > 0")
-    for key, (budget_key, dynamic_key) in NULL_IS_A_TOKEN_BUDGET.items():
-        budget, longest = (
-            OmegaConf.select(config, budget_key),
-            config.data.max_prompt_length + config.data.max_response_length,
-        )
-        by_tokens = OmegaConf.select(config, key) is None or OmegaConf.select(config, dynamic_key)
-        if by_tokens and budget < longest:
-            raise ConfigValueError(
-                f"{budget_key}={budget} is shorter than the longest sequence (data.max_prompt_length + "
-                f"data.max_response_length = {longest}), and {key} packs micro-batches by it; raise it, or set {key}"
-            )
+    check_token_budgets(config)
     if config.reward.timeout_s is not None and not config.reward.timeout_s > 0:
         raise ConfigValueError(f"reward.timeout_s={config.reward.timeout_s}: must be > 0 (or null for no limit)")
     steps = config.trainer.total_training_steps
