@@ -1,5 +1,5 @@
-"""Packed-sequence attention row by row (rl_core/models/packed_attention.py) against attention written as a plain loop,
-and the model-level result against transformers' own SDPA over the block-diagonal mask."""
+"""Packed-sequence attention as padded batches of rows (rl_core/models/packed_attention.py) against attention written
+as a plain loop, and the model-level result against transformers' own SDPA over the block-diagonal mask."""
 
 import math
 
@@ -46,16 +46,24 @@ def test_each_packed_row_attends_to_itself_only(seed):
     assert torch.allclose(output.double(), loop_attention(query, key, value, lengths), atol=1e-5)
 
 
-def test_a_model_gives_sdpa_numbers_with_a_row_per_call(monkeypatch):
-    torch.manual_seed(0)
+def tiny_qwen2(**overrides):
     config = Qwen2Config(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=2, **overrides,
     )  # fmt: skip
-    model = Qwen2ForCausalLM(config).eval()
-    lengths = [5, 9, 3]
-    ids = torch.randint(0, 64, (1, sum(lengths)))
-    position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    return Qwen2ForCausalLM(config)
+
+
+def packed_inputs(lengths, generator=None):
+    ids = torch.randint(0, 64, (1, sum(lengths)), generator=generator)
+    return ids, torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+
+
+def test_a_model_gives_sdpa_numbers_with_a_call_per_length_bucket(monkeypatch):
+    torch.manual_seed(0)
+    model = tiny_qwen2().eval()
+    lengths = [5, 7, 3, 6]  # 5, 7, 6 share the bucket (4, 8]; 3 is alone in (2, 4]
+    ids, position_ids = packed_inputs(lengths)
     with torch.no_grad():
         model.set_attn_implementation("sdpa")
         whole = model(input_ids=ids, position_ids=position_ids, use_cache=False).logits
@@ -63,9 +71,32 @@ def test_a_model_gives_sdpa_numbers_with_a_row_per_call(monkeypatch):
         calls = []
         original = packed_attention.sdpa_attention_forward
         monkeypatch.setattr(
-            packed_attention, "sdpa_attention_forward", lambda *a, **k: calls.append(a[1].shape[2]) or original(*a, **k)
+            packed_attention,
+            "sdpa_attention_forward",
+            lambda *a, **k: calls.append(tuple(a[1].shape[::2])) or original(*a, **k),
         )
         packed = model(input_ids=ids, position_ids=position_ids, use_cache=False).logits
-        alone = [model(input_ids=ids[:, :5], use_cache=False).logits]  # a single row goes to SDPA whole
-    assert calls == lengths * config.num_hidden_layers + [5] * config.num_hidden_layers
-    assert torch.allclose(packed, whole, atol=1e-5) and torch.allclose(alone[0], whole[:, :5], atol=1e-5)
+        alone = model(input_ids=ids[:, :5], use_cache=False).logits  # a single row goes to SDPA whole
+    assert calls == [(3, 7), (1, 3)] * model.config.num_hidden_layers + [(1, 5)] * model.config.num_hidden_layers
+    assert torch.allclose(packed, whole, atol=1e-5) and torch.allclose(alone, whole[:, :5], atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_sliding_window_masks_and_gradients_match_sdpa_over_the_whole(seed):
+    """transformers' own mask blocks (here a sliding window of 4 on every layer) reach each row, and the gradients
+    through the gathered batch are those of the block-diagonal whole."""
+    generator = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = tiny_qwen2(use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    lengths = torch.randint(1, 20, (6,), generator=generator).tolist()
+    ids, position_ids = packed_inputs(lengths, generator)
+    results = []
+    for implementation in ("sdpa", PACKED_SDPA):
+        model.zero_grad()
+        model.set_attn_implementation(implementation)
+        logits = model(input_ids=ids, position_ids=position_ids, use_cache=False).logits
+        logits.square().mean().backward()
+        results.append((logits.detach(), [p.grad.clone() for p in model.parameters()]))
+    (whole, whole_grads), (packed, packed_grads) = results
+    assert torch.allclose(packed, whole, atol=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(packed_grads, whole_grads))
