@@ -69,11 +69,9 @@ def _explain(error: BaseException) -> str:
     return f"{key + ': ' if key else ''}{first}"
 
 
-def compose_config(overrides: list[str] | None = None, base: str | None = None, algorithms: bool = True) -> DictConfig:
+def compose_config(overrides: list[str] | None = None, base: str | None = None) -> DictConfig:
     """The root config with ``overrides`` applied, interpolations resolved and every value checked. ``base`` (the YAML
-    of an earlier run's composed config) replaces the defaults: an evaluation starts from its training run's config.
-    ``algorithms=False`` leaves the algorithm names to the caller (``rl_core.config.check_algorithm_names``: their
-    registries import torch, which takes seconds; ``ppoflow train`` checks its input files first)."""
+    of an earlier run's composed config) replaces the defaults: an evaluation starts from its training run's config."""
     overrides = list(overrides or [])
     try:
         config = _compose(overrides, base)
@@ -93,7 +91,7 @@ def compose_config(overrides: list[str] | None = None, base: str | None = None, 
     except OmegaConfBaseException as error:
         raise ConfigError(_explain(error)) from None
     try:
-        check_config(config, algorithms)
+        check_config(config)
     except ConfigValueError as error:
         raise ConfigError(str(error)) from None
     check_names(config)

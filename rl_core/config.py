@@ -506,21 +506,13 @@ class ConfigValueError(ValueError):
 
 
 def check_algorithm_names(config: Any) -> None:
-    """Refuse an estimator, policy loss, aggregation or KL penalty that is not registered (the registries as they are
-    now: a plugin may add to them). Importing them imports torch (seconds): :func:`check_config` does this last."""
+    """Refuse an estimator, policy loss, aggregation or KL penalty that is not registered
+    (:func:`rl_core.algo_names.algorithm_choices`: read without importing torch until the registries are imported)."""
     from omegaconf import OmegaConf
 
-    from rl_core.algos import ADVANTAGE_ESTIMATORS, KL_PENALTIES, LOSS_AGG_MODES, POLICY_LOSSES
+    from rl_core.algo_names import algorithm_choices
 
-    registered = {
-        "algorithm.adv_estimator": ADVANTAGE_ESTIMATORS,
-        "actor_rollout_ref.actor.policy_loss.loss_mode": POLICY_LOSSES,
-        "actor_rollout_ref.actor.loss_agg_mode": LOSS_AGG_MODES,
-        "critic.loss_agg_mode": LOSS_AGG_MODES,
-        "actor_rollout_ref.actor.kl_loss_type": KL_PENALTIES,
-        "algorithm.kl_penalty": KL_PENALTIES,
-    }
-    for key, allowed in registered.items():
+    for key, allowed in algorithm_choices().items():
         value = OmegaConf.select(config, key)
         if value not in allowed:
             raise ConfigValueError(f"{key}={value!r}: choose one of {', '.join(sorted(allowed))}")
@@ -542,9 +534,9 @@ def check_token_budgets(config: Any) -> None:
             )
 
 
-def check_config(config: Any, algorithms: bool = True) -> None:
-    """Refuse values that the types allow but the run cannot use, naming the key and the fix; the algorithm names
-    last (:func:`check_algorithm_names`), unless ``algorithms`` is false (a caller that checks them later)."""
+def check_config(config: Any) -> None:
+    """Refuse values that the types allow but the run cannot use, naming the key and the fix (the algorithm names:
+    :func:`check_algorithm_names`)."""
     from omegaconf import OmegaConf
 
     for key, allowed in CHOICES.items():
@@ -623,5 +615,4 @@ def check_config(config: Any, algorithms: bool = True) -> None:
     from rl_core.agent.checks import check_multi_turn  # the agent package imports this module
 
     check_multi_turn(config.actor_rollout_ref.rollout)
-    if algorithms:
-        check_algorithm_names(config)
+    check_algorithm_names(config)

@@ -44,15 +44,14 @@ def _train(args: argparse.Namespace) -> int:
     phase(args, "Prefect and the stack configured")
     from flows.config import ConfigError, compose_config
     from flows.resume import ResumeRefused, check_resume
-    from rl_core.config import ConfigValueError, check_algorithm_names
+    from rl_core.config import ConfigValueError
     from rl_core.input_checks import InputError, check_run_inputs
 
     # a wrong key, type or value, unusable data, model or reward, a resume under a changed config: one line each, in
-    # seconds, before Prefect starts (torch is imported only for the algorithm names, last; Ray and Prefect after)
+    # seconds, before Prefect starts (no torch, Ray or Prefect before they pass)
     try:
-        config = compose_config(args.overrides, algorithms=False)
+        config = compose_config(args.overrides)
         check_run_inputs(config)
-        check_algorithm_names(config)
         finished = check_resume(config)
     except (ConfigError, ConfigValueError, InputError, ResumeRefused) as error:
         print("\n".join(f"ppoflow train: {line}" for line in str(error).splitlines()), file=sys.stderr)

@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from rl_core.algo_names import LOSS_AGG_MODES
 from rl_core.algos.masked import masked_sum
-
-LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def agg_loss(

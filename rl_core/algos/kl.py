@@ -18,15 +18,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from rl_core.algo_names import KL_PENALTIES
 from rl_core.algos.config_access import config_get
 from rl_core.algos.masked import masked_mean
 
-KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
-KL_PENALTIES = KL_ESTIMATORS + tuple(f"{name}+" for name in KL_ESTIMATORS)
-
 
 def kl_estimate(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, estimator: str) -> torch.Tensor:
-    """The value of one of :data:`KL_ESTIMATORS` per token (see module doc)."""
+    """The value of one of :data:`rl_core.algo_names.KL_ESTIMATORS` per token (see module doc)."""
     diff = log_prob - ref_log_prob
     if estimator in ("kl", "k1"):
         return diff
