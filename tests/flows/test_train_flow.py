@@ -1,8 +1,6 @@
 """The training flow end to end: real Prefect API, real Ray workers, MLflow on SQLite, the tiny demo model."""
 
-import itertools
 import json
-import math
 import subprocess
 import sys
 import threading
@@ -21,11 +19,9 @@ from flows.prefect_view import one_line
 from flows.resume import ResumeRefused
 from flows.train import train
 from flows.workers import WORKERS_NAMESPACE_TAG
-from rl_core.algos import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 from rl_core.config import ModelConfig
 from rl_core.data.rows import write_rows
 from rl_core.data.synthetic import calc_rows, calc_transcript
-from rl_core.models.families import FAMILIES
 from rl_core.models.folder import ModelLoadError
 from rl_core.models.loading import load_policy_model
 from rl_core.models.tiny import make_tiny_model
@@ -292,61 +288,6 @@ def test_dynamic_sampling_runs_in_the_flow(run_overrides):
     state = StepCheckpoints(Path(result["checkpoint_dir"]).parent).trainer_state(Path(result["checkpoint_dir"]))
     drawn = state["sampler"]["epoch"] * 16 + state["sampler"]["batch_in_epoch"]  # 64 rows / 4 = 16 batches per epoch
     assert drawn == sum(values[0] for values in history["train/num_gen_batches"].values())
-
-
-POLICY_LOSS_FOR = dict(itertools.zip_longest(sorted(ADVANTAGE_ESTIMATORS), sorted(POLICY_LOSSES), fillvalue="vanilla"))
-# each estimator on a model family
-FAMILY_FOR = dict(zip(sorted(ADVANTAGE_ESTIMATORS), itertools.cycle(sorted(FAMILIES))))
-DIGIT_SHARE = (
-    "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return sum(c.isdigit() for c in "
-    "solution_str) / (len(solution_str) + 1)\n"
-)
-
-
-@pytest.fixture(scope="module")
-def family_models(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("families")
-    return {family: make_tiny_model(folder / family, seed=0, family=family) for family in FAMILIES}
-
-
-def test_every_family_runs_in_the_flow():
-    assert set(FAMILY_FOR.values()) == set(FAMILIES)
-
-
-@pytest.mark.parametrize("estimator", sorted(ADVANTAGE_ESTIMATORS))
-def test_every_estimator_and_policy_loss_trains_two_steps(run_overrides, estimator, family_models, tmp_path):
-    """Each estimator with a policy loss, on a tiny random model of one of the families (the demo profile's settings),
-    scored by the share of digits in a response (a random model's samples differ in it)."""
-    loss_mode, family = POLICY_LOSS_FOR[estimator], FAMILY_FOR[estimator]
-    reward = tmp_path / "digit_share.py"
-    reward.write_text(DIGIT_SHARE)
-    result = train(
-        overrides=run_overrides(
-            "+profile=demo",
-            f"actor_rollout_ref.model.path={family_models[family]}",
-            f"custom_reward_function.path={reward}",
-            f"algorithm.adv_estimator={estimator}",
-            f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}",
-            "trainer.total_training_steps=2",
-            "trainer.val_before_train=false",
-            "trainer.test_freq=-1",
-        )
-    )
-    history = metric_history(result["tracking_uri"], result["run_id"])
-    assert sorted(history["actor/pg_loss"]) == [1, 2]
-    assert all(math.isfinite(v[0]) for v in history["actor/pg_loss"].values())
-    # the scores differ: something to learn from
-    assert any(v[0] != 0 for v in history["critic/advantages/max"].values())
-    params = MlflowClient(result["tracking_uri"]).get_run(result["run_id"]).data.params
-    assert (params["algorithm.adv_estimator"], params["actor_rollout_ref.actor.policy_loss.loss_mode"]) == (
-        estimator,
-        loss_mode,
-    )
-    assert ("critic/vf_loss" in history) == (estimator == "gae")
-    assert (
-        AutoModelForCausalLM.from_pretrained(Path(result["checkpoint_dir"]) / "actor").config.model_type
-        == FAMILIES[family][0]
-    )
 
 
 def test_reward_model_lora_critic_warmup_and_resume_from_a_path(run_overrides, tmp_path, tiny_model_path):

@@ -1,15 +1,19 @@
 """Every model family ppoflow is tested on (rl_core.models.families): a tiny random checkpoint of each, built in code,
 loads through the user's pipeline, keeps packed rows apart in the padding-free forward, and trains two GRPO steps
-with verl's defaults (at small sizes); LoRA and a critic on two of them. The flow runs each family too
-(tests/flows/test_train_flow.py::test_every_estimator_and_policy_loss_trains_two_steps)."""
+with verl's defaults (at small sizes); LoRA and a critic on two of them; every advantage estimator with a policy loss,
+each on one of the families. (The flow's own runs, tests/flows/test_train_flow.py, are estimator-agnostic: GRPO and GAE
+with a critic run there.)"""
 
 import copy
+import itertools
+import math
 
 import pytest
 import torch
 import transformers
 
 from flows.config import compose_config
+from rl_core.algos import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 from rl_core.algos.kl import get_kl_controller
 from rl_core.data.sampler import ResumableSampler
 from rl_core.models.families import FAMILIES
@@ -146,3 +150,43 @@ def test_lora_and_a_critic_train_on_a_family(family, family_models, tmp_path):
     )
     # only the adapter trains
     assert not [n for n, p in actor.module.named_parameters() if p.requires_grad and "lora_" not in n]
+
+
+POLICY_LOSS_FOR = dict(itertools.zip_longest(sorted(ADVANTAGE_ESTIMATORS), sorted(POLICY_LOSSES), fillvalue="vanilla"))
+FAMILY_FOR = dict(zip(sorted(ADVANTAGE_ESTIMATORS), itertools.cycle(sorted(FAMILIES))))
+
+
+def test_every_policy_loss_is_paired_with_an_estimator():
+    assert set(POLICY_LOSS_FOR.values()) == set(POLICY_LOSSES)
+
+
+@pytest.mark.parametrize("estimator", sorted(ADVANTAGE_ESTIMATORS))
+def test_every_estimator_and_policy_loss_trains_two_steps(estimator, family_models, tmp_path):
+    """Each estimator with a policy loss, on a tiny random model of one of the families (verl's defaults), scored by
+    the share of digits in a response (a random model's samples differ in it): finite losses, advantages that are
+    not all zero, the critic trained with GAE only, the policy's weights changed."""
+    config = verl_config(
+        family_models[FAMILY_FOR[estimator]],
+        f"algorithm.adv_estimator={estimator}",
+        f"actor_rollout_ref.actor.policy_loss.loss_mode={POLICY_LOSS_FOR[estimator]}",
+    )
+    actor = ActorRolloutRefWorker(config.actor_rollout_ref, "actor_rollout")
+    critic = CriticWorker(config.critic) if estimator == "gae" else None
+    for worker in (actor, critic):
+        if worker is not None:
+            worker.init_model()
+    data = addition_dataset(tmp_path, actor.tokenizer, config.data, count=8)
+    sampler = ResumableSampler(len(data), config.data.train_batch_size, shuffle=False)
+    reward, kl = (
+        RewardManager(actor.tokenizer, digit_share, config.reward, config.data),
+        get_kl_controller(config.algorithm.kl_ctrl),
+    )
+    before = copy.deepcopy(actor.module.state_dict())
+    advantages = []
+    for step in (1, 2):
+        _, metrics = run_ppo_step(config, StepWorkers(actor, critic), data, sampler, reward, kl, step)
+        assert math.isfinite(metrics["actor/pg_loss"])
+        assert ("critic/vf_loss" in metrics) == (estimator == "gae")
+        advantages.append(metrics["critic/advantages/max"] - metrics["critic/advantages/min"])
+    assert any(spread != 0 for spread in advantages)  # the scores differ: something to learn from
+    assert any(not torch.equal(v, before[k]) for k, v in actor.module.state_dict().items())
