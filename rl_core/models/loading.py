@@ -14,8 +14,8 @@ What RL needs of a model that pretraining checkpoints do not give, set here and 
 * dropout off (every ``*dropout*`` / ``*pdrop`` probability of the config is 0 unless ``override_config`` sets it):
   with dropout the update's forward pass and the old log-probs' differ, and the PPO ratio is noise;
 * attention kernels the architecture has: flash-attention 2 (on CUDA, half precision, ``flash_attn`` installed), else
-  PyTorch's SDPA (row by row over a packed sequence: :mod:`rl_core.models.packed_attention`), else eager, or
-  ``override_config.attn_implementation``;
+  PyTorch's SDPA (over a packed sequence, its rows as padded batches: :mod:`rl_core.models.packed_attention`), else
+  eager, or ``override_config.attn_implementation``;
 * plain generation defaults: a checkpoint's ``generation_config.json`` (Qwen2.5-Instruct's repetition penalty, its
   temperature, top-p) would change how the rollout samples; only its token ids are kept;
 * a tokenizer with more tokens than the embedding has rows (:mod:`rl_core.models.vocabulary`): said once, with both
@@ -203,9 +203,9 @@ def attention_implementation(
 ) -> str:
     """``override_config.attn_implementation`` when set; else the first ``model_class`` has of ``flash_attention_2``
     (variable-length kernels: the padding-free forward skips padding entirely; on CUDA with half-precision compute and
-    the ``flash_attn`` package installed), ``sdpa`` (PyTorch's, as :data:`PACKED_SDPA`: a packed sequence row by row)
-    and ``eager``. Falling back to eager is reported. A class that is not known before loading (remote code) gets
-    ``sdpa``."""
+    the ``flash_attn`` package installed), ``sdpa`` (PyTorch's, as :data:`PACKED_SDPA`: a packed sequence's rows as
+    padded batches) and ``eager``. Falling back to eager is reported. A class that is not known before loading (remote
+    code) gets ``sdpa``."""
     requested = dict(override_config or {}).get("attn_implementation")
     if requested:
         return str(requested)

@@ -77,7 +77,7 @@ def test_a_family_loads_and_its_padding_free_forward_equals_the_padded_one(famil
     config = verl_config(family_models[family])
     model, tokenizer = load_policy_model(config.actor_rollout_ref.model)
     assert type(model).__name__ == CLASSES[family] and checkpoints_activations(model)  # verl's default: on
-    # SDPA (row by row over packed sequences) where the architecture has it (transformers 5.24 has none for Gemma 2)
+    # SDPA (packed rows as padded batches) where the architecture has it (transformers 5.24 has none for Gemma 2)
     assert model.config._attn_implementation == (PACKED_SDPA if has_attention(type(model), "sdpa") else "eager")
     assert family != "gemma2" or transformers.__version__ < "5" or model.config._attn_implementation == "eager"
     prompts = addition_dataset(tmp_path, tokenizer, config.data, count=4).collate([0, 1, 2, 3]).repeat_interleave(2)

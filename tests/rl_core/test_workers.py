@@ -439,7 +439,7 @@ def test_a_checkpoints_dropout_is_off_so_the_first_ratio_is_exactly_one(tmp_path
 
 def test_a_model_whose_packed_rows_attend_to_each_other_falls_back_to_padded_batches(tmp_path, config, monkeypatch):
     """Attention that ignores transformers' packed-sequence detection (remote code, a custom kernel; here transformers'
-    own SDPA, not ppoflow's row-by-row one, with the detection turned off): the check at load finds it, says so, and the
+    own SDPA, not ppoflow's packed one, with the detection turned off): the check at load finds it, says so, and the
     worker uses padded batches, whose log-probs are right."""
     import transformers.masking_utils
 
