@@ -51,6 +51,15 @@ def family_models(tmp_path_factory):
     return {family: make_tiny_model(folder / family, seed=0, family=family) for family in FAMILIES}
 
 
+def step_inputs(config, tokenizer, folder):
+    """What run_ppo_step takes besides the workers: 8 addition problems in order, the digit-share reward, the KL
+    controller."""
+    data = addition_dataset(folder, tokenizer, config.data, count=8)
+    sampler = ResumableSampler(len(data), config.data.train_batch_size, shuffle=False)
+    reward = RewardManager(tokenizer, digit_share, config.reward, config.data)
+    return data, sampler, reward, get_kl_controller(config.algorithm.kl_ctrl)
+
+
 def verl_config(model_path, *extra):
     """verl's defaults (no demo profile: a model path is given) at sizes a test can afford."""
     return compose_config(
@@ -102,12 +111,7 @@ def test_a_family_trains_two_grpo_steps_with_verls_defaults(family, family_model
     actor = ActorRolloutRefWorker(config.actor_rollout_ref, "actor_rollout")
     notes = actor.init_model()
     assert all("padding-free" not in note for note in notes)
-    data = addition_dataset(tmp_path, actor.tokenizer, config.data, count=8)
-    sampler = ResumableSampler(len(data), config.data.train_batch_size, shuffle=False)
-    reward, kl = (
-        RewardManager(actor.tokenizer, digit_share, config.reward, config.data),
-        get_kl_controller(config.algorithm.kl_ctrl),
-    )
+    data, sampler, reward, kl = step_inputs(config, actor.tokenizer, tmp_path)
     before = copy.deepcopy(actor.module.state_dict())
     for step in (1, 2):
         batch, metrics = run_ppo_step(config, StepWorkers(actor), data, sampler, reward, kl, step)
@@ -137,12 +141,7 @@ def test_lora_and_a_critic_train_on_a_family(family, family_models, tmp_path):
     trainable_heads = [name for name, p in critic.module.named_parameters() if head in name and p.requires_grad]
     assert trainable_heads, f"the critic's {head} does not train"
     heads_before = {name: p.detach().clone() for name, p in critic.module.named_parameters() if name in trainable_heads}
-    data = addition_dataset(tmp_path, actor.tokenizer, config.data, count=8)
-    sampler = ResumableSampler(len(data), config.data.train_batch_size, shuffle=False)
-    reward, kl = (
-        RewardManager(actor.tokenizer, digit_share, config.reward, config.data),
-        get_kl_controller(config.algorithm.kl_ctrl),
-    )
+    data, sampler, reward, kl = step_inputs(config, actor.tokenizer, tmp_path)
     _, metrics = run_ppo_step(config, StepWorkers(actor, critic), data, sampler, reward, kl, 1)
     assert metrics["critic/vf_loss"] > 0 and "actor/pg_loss" in metrics
     assert any(
@@ -175,12 +174,7 @@ def test_every_estimator_and_policy_loss_trains_two_steps(estimator, family_mode
     for worker in (actor, critic):
         if worker is not None:
             worker.init_model()
-    data = addition_dataset(tmp_path, actor.tokenizer, config.data, count=8)
-    sampler = ResumableSampler(len(data), config.data.train_batch_size, shuffle=False)
-    reward, kl = (
-        RewardManager(actor.tokenizer, digit_share, config.reward, config.data),
-        get_kl_controller(config.algorithm.kl_ctrl),
-    )
+    data, sampler, reward, kl = step_inputs(config, actor.tokenizer, tmp_path)
     before = copy.deepcopy(actor.module.state_dict())
     advantages = []
     for step in (1, 2):
