@@ -181,14 +181,14 @@ def test_a_served_sweep_runs_its_children_as_the_train_deployment(served, tmp_pa
         "algorithm.adv_estimator=grpo,rloo"
     ]
     flow_run = client.create_flow_run_from_deployment(
-        found["sweep"].id, parameters={"overrides": overrides, "name": "served-sweep"}
-    )
+        found["sweep"].id, parameters={"overrides": overrides, "name": "served-sweep", "search": "random", "trials": 1}
+    )  # one child: what is checked is how a served sweep's children run (the grid itself: tests/flows/test_sweep.py)
     flow_run = wait_final(client, flow_run.id, timeout_s=400)
     assert flow_run.state.is_completed(), f"{flow_run.state.message}\n{log.read_text()[-3000:]}"
     mlflow = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     experiment = mlflow.get_experiment_by_name("ppoflow").experiment_id
     [parent] = mlflow.search_runs(experiment, "tags.`ppoflow.sweep` = 'served-sweep' and tags.`ppoflow.kind` = 'sweep'")
     children = mlflow.search_runs(experiment, f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
-    assert sorted(c.data.params["algorithm.adv_estimator"] for c in children) == ["grpo", "rloo"]
+    assert [c.data.params["algorithm.adv_estimator"] in ("grpo", "rloo") for c in children] == [True]
     child_flow_runs = [client.read_flow_run(c.data.tags["ppoflow.prefect_flow_run_id"]) for c in children]
     assert all(r.deployment_id == found["train"].id and r.parent_task_run_id is not None for r in child_flow_runs)
