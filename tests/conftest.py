@@ -9,12 +9,24 @@ import ray
 import torch
 from omegaconf import OmegaConf
 
-from flows.config import demo_profile
+from flows.config import compose_config, demo_profile
+from flows.demo import ensure_demo_model
 from infra.cluster import connect, start_local_head, stop_local_head
 from rl_core.config import default_config
 from rl_core.models.tiny import make_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# The suite runs in two pytest processes (pyproject.toml: `-n 2 --dist loadgroup`): the tests on the session's Ray head
+# and Prefect API go to one of them as one group, so that the head and the API start once; the in-process tests spread
+# over both.
+SESSION_SERVICES = {"ray_address", "prefect_api"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if SESSION_SERVICES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.xdist_group("session-services"))
 
 
 @pytest.fixture(scope="session")
@@ -80,8 +92,11 @@ def prefect_api():
 
 @pytest.fixture(scope="session")
 def demo_cache(tmp_path_factory):
-    """The embedded demo's SFT model and data, built once for all flow tests."""
-    return tmp_path_factory.mktemp("demo-cache")
+    """The embedded demo's SFT-warm-started model, built here once for all flow tests (so that no test's own time
+    includes the warm start); each run writes the data files of its sizes beside it."""
+    cache = tmp_path_factory.mktemp("demo-cache")
+    ensure_demo_model(compose_config([f"trainer.cache_dir={cache}"]))
+    return cache
 
 
 def small_run_overrides(folder: Path, demo_cache: Path, *extra: str) -> list[str]:
