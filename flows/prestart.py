@@ -18,6 +18,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,9 +26,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from flows.demo import apply_embedded_defaults
-from flows.inputs import TrainingInputs, plan_steps
-from flows.resume import config_record, workers_config_digest
-from flows.workers import build_fresh_workers
+from flows.resume import config_record, starts_fresh, workers_config_digest
 from infra.cluster import connected
 from rl_core.step_checkpoint import PRESTART_MARK, StepCheckpoints
 
@@ -53,14 +52,6 @@ class Prestarted:
 _prestarted: Prestarted | None = None
 
 
-def starts_fresh(config: DictConfig) -> bool:
-    """A run with no checkpoint to resume from (``resume_mode=disable``, or no ``latest`` pointer in its folder)."""
-    mode = config.trainer.resume_mode
-    return mode == "disable" or (
-        mode == "auto" and StepCheckpoints(config.trainer.default_local_dir).pointer_step() is None
-    )
-
-
 def _record(config: DictConfig) -> str:
     return json.dumps(config_record(config), sort_keys=True)
 
@@ -79,21 +70,32 @@ def prestart(config: DictConfig) -> None:
 
 def _make(started: Prestarted, config: DictConfig) -> None:
     began = time.perf_counter()
+    workers_started = None
     try:
+        # imported here, not by the command: the thread starts before the command imports the flow (seconds of torch,
+        # transformers, Prefect and MLflow), and loads the inputs meanwhile
+        from flows.inputs import TrainingInputs, plan_steps
+        from flows.workers import load_models
+
         # the mark tells this process's input checks that the folder is held for the run they check, not by another
         started.folder_lock = StepCheckpoints(started.folder).lock(
             {"run": config.trainer.experiment_name, PRESTART_MARK: os.getpid()}
         )
+        # the worker processes start (each imports torch and the models' code) while this thread loads the inputs
+        workers_started = _start_workers(copy.deepcopy(config))
         apply_embedded_defaults(config)  # the demo's assets: built once (their lines are the run's first), then cached
         started.inputs_record = _record(config)
         started.inputs = TrainingInputs.load(config)
         plan_steps(config, len(started.inputs.train_data))
         started.workers_digest = workers_config_digest(config)
-        started.inputs_done.set()  # the flow may go on (its MLflow run) while the workers are built
-        if connected():  # else the session connects, and says why it cannot
-            started.group = build_fresh_workers(config, log=started.notes.append)
+        started.inputs_done.set()  # the flow may go on (its MLflow run) while the workers load their models
+        group, workers_started = workers_started(), None
+        if group is not None:
+            load_models(group, config, log=started.notes.append)  # with the final config (demo paths, LR schedule)
+            started.group = group
     except Exception:  # the session makes it again and reports the error
-        pass
+        if workers_started is not None and (group := workers_started()) is not None:
+            group.kill()  # the inputs failed: workers would only hold the run's namespace
     finally:
         started.seconds = time.perf_counter() - began
         with started.lock:
@@ -101,6 +103,30 @@ def _make(started: Prestarted, config: DictConfig) -> None:
             started.done.set()
             if started.released:
                 _free(started)
+
+
+def _start_workers(config: DictConfig) -> Callable[[], Any]:
+    """Start the run's worker group in a thread once Ray is connected; returns a function waiting for it: the group, or
+    None when Ray is not connected or the start failed (the session starts them again and says why)."""
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            if connected():
+                from flows.workers import start_fresh_workers
+
+                result["group"] = start_fresh_workers(config)
+        except Exception:
+            pass
+
+    thread = threading.Thread(target=run, name="ppoflow-prestart-workers", daemon=True)
+    thread.start()
+
+    def started_group() -> Any:
+        thread.join()
+        return result.get("group")
+
+    return started_group
 
 
 def wait(inputs_only: bool = False) -> None:

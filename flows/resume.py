@@ -211,21 +211,27 @@ def finished_result(point: ResumePoint, tracking_uri: str, metrics: dict[str, fl
     }
 
 
+def starts_fresh(config: DictConfig) -> bool:
+    """A run with no checkpoint to resume from (``resume_mode=disable``, or no ``latest`` pointer in its folder)."""
+    mode = config.trainer.resume_mode
+    return mode == "disable" or (
+        mode == "auto" and StepCheckpoints(config.trainer.default_local_dir).pointer_step() is None
+    )
+
+
 def check_resume(config: DictConfig) -> dict[str, Any] | None:
     """The resume decision before anything starts (the command line's input checks): a :class:`ResumeRefused` for a
     changed config, the earlier result for a run that already finished, else None (the flow decides again, under the
     folder's lock)."""
+    if starts_fresh(config):
+        return None
+    # a run to resume: MLflow's client and the checkpoint code (torch) are worth their seconds only now
     from flows.demo import apply_embedded_defaults
     from flows.tracking import open_store, tracking_uri
 
-    checkpoints = StepCheckpoints(config.trainer.default_local_dir)
-    if config.trainer.resume_mode == "disable" or (
-        config.trainer.resume_mode == "auto" and checkpoints.pointer_step() is None
-    ):
-        return None
     config = copy.deepcopy(config)
     apply_embedded_defaults(config, log=lambda line: None)  # the demo's paths, as the run will record them
-    point = find_resume_point(config, checkpoints, log=lambda line: None)
+    point = find_resume_point(config, StepCheckpoints(config.trainer.default_local_dir), log=lambda line: None)
     if point is None:
         return None
     uri = tracking_uri(config)

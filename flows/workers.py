@@ -77,15 +77,32 @@ def build_workers(
 ) -> WorkerGroup:
     """A fresh worker group with every model loaded (critic -> ref + actor -> reward model); what loading changed or
     could not use (dropout turned off, a generation config ignored, an attention fallback) goes to ``log``."""
-    group = WorkerGroup.create(
+    group = start_workers(config, namespace, evaluation)
+    load_models(group, config, log, evaluation)
+    return group
+
+
+def start_workers(config: DictConfig, namespace: str, evaluation: bool = False) -> WorkerGroup:
+    """The worker processes of a fresh group, started (each imports torch and the models' code) with nothing loaded.
+    The roles, resources and ranks come from ``config``; the models' paths and LR schedules may still change
+    (:func:`load_models` takes the final config)."""
+    return WorkerGroup.create(
         resource_pool(config),
         role_specs(config, evaluation),
         prefix=PREFIX,
         namespace=namespace,
         timeout_s=config.trainer.worker_timeout_s,
     )
+
+
+def load_models(
+    group: WorkerGroup, config: DictConfig, log: Callable[[str], None] = print, evaluation: bool = False
+) -> None:
+    """Load a started group's models with ``config``'s settings, in verl's order; a model that does not load kills the
+    group."""
     timeout = config.trainer.worker_timeout_s
     try:
+        group.set_roles(role_specs(config, evaluation), timeout)
         for role in ("critic", "actor_rollout_ref", "reward_model"):
             if role in group.roles:
                 for note in group.role(role).init_model(timeout_s=timeout, stage=f"init {role}") or []:
@@ -93,15 +110,21 @@ def build_workers(
     except BaseException:  # a model that does not load: nothing of this group may stay alive
         group.kill()
         raise
-    return group
 
 
-def build_fresh_workers(config: DictConfig, log: Callable[[str], None] = print) -> WorkerGroup:
-    """:func:`build_workers` in the run's namespace, after ending whatever group an earlier run of the same folder left
+def start_fresh_workers(config: DictConfig) -> WorkerGroup:
+    """:func:`start_workers` in the run's namespace, after ending whatever group an earlier run of the same folder left
     there."""
     namespace = workers_namespace(config)
     kill_worker_group(namespace)
-    return build_workers(config, namespace, log=log)
+    return start_workers(config, namespace)
+
+
+def build_fresh_workers(config: DictConfig, log: Callable[[str], None] = print) -> WorkerGroup:
+    """:func:`build_workers` in the run's namespace (see :func:`start_fresh_workers`)."""
+    group = start_fresh_workers(config)
+    load_models(group, config, log)
+    return group
 
 
 def reattach_workers(config: DictConfig, namespace: str) -> WorkerGroup | None:

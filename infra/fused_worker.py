@@ -40,9 +40,16 @@ class FusedWorkerBase:
     """What every fused worker process has besides its roles: distributed set-up and health."""
 
     def __init__(self, role_specs: dict[str, RoleSpec]):
-        self.roles = {role: cls(*args, **kwargs) for role, (cls, args, kwargs) in role_specs.items()}
+        self.set_roles(role_specs)
         self.started_at = time.time()
         self.labels: dict[str, str] = {}
+
+    def set_roles(self, role_specs: dict[str, RoleSpec]) -> None:
+        """Make the role objects (again) from ``role_specs``: the same roles and classes this process was made for,
+        with other arguments (a group started before its run's config was final). Nothing is loaded yet."""
+        if set(role_specs) != set(getattr(self, "roles", role_specs)):
+            raise ValueError(f"this worker holds roles {sorted(self.roles)}, not {sorted(role_specs)}")
+        self.roles = {role: cls(*args, **kwargs) for role, (cls, args, kwargs) in role_specs.items()}
 
     def master_address(self) -> tuple[str, int]:
         """This node's address and a free port, for rank 0 to host the process group's rendezvous."""

@@ -159,6 +159,11 @@ class WorkerGroup:
         results = self._wait(refs, stage or method, timeout_s, self.names[: len(refs)])
         return collect_results(mode, results, pad_size)
 
+    def set_roles(self, role_specs: dict[str, RoleSpec], timeout_s: float = 30.0) -> None:
+        """Make every rank's role objects again with ``role_specs``' arguments (same roles and classes): a group
+        started before its run's config was final gets the final one before it loads its models."""
+        self._wait([actor.set_roles.remote(role_specs) for actor in self.actors], "set roles", timeout_s, self.names)
+
     def label(self, labels: dict[str, str], timeout_s: float = 10.0) -> None:
         """Label every rank (their health reports carry the labels: which run the group serves)."""
         self._wait([actor.set_labels.remote(labels) for actor in self.actors], "label", timeout_s, self.names)

@@ -3,6 +3,9 @@ full (rank-0) state dicts. With a world size of 1 every function is a no-op or t
 
 Sharding is ``fully_shard`` on each transformer block and then on the whole model (``param_offload``
 moves the sharded parameters to CPU between uses, ``optimizer_offload`` keeps optimizer state on CPU).
+
+FSDP2's modules (``torch.distributed.fsdp``, ``.tensor``, ``.checkpoint``: ~0.7 s to import) are imported where a
+sharded model or a checkpoint needs them: the controller, which imports the workers' classes, never does.
 """
 
 from __future__ import annotations
@@ -15,16 +18,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from rl_core.device import cuda_device_index
 from rl_core.workers.data_parallel import collective_device, world_size
@@ -54,7 +47,7 @@ def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float) -> flo
     if not grads:
         return 0.0
     total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-    if isinstance(total, DTensor):  # this rank's part of the norm: reduce it over the group where its collectives run
+    if hasattr(total, "full_tensor"):  # a DTensor, this rank's part of the norm: reduce it where collectives run
         total = total.to(collective_device()).full_tensor()
     total_norm = float(total)
     scale = max_norm / (total_norm + 1e-6)
@@ -83,6 +76,9 @@ def shard_module(
     type; parameters gathered in ``compute_dtype``, gradients reduced in float32); the module itself otherwise."""
     if world_size() <= 1:
         return module
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
     # the transformers model is the root, also under a peft wrapper: generate() and the LoRA paths call it directly,
     # and FSDP2 needs its root's forward to run first
     root = module.get_base_model() if hasattr(module, "get_base_model") else module
@@ -103,6 +99,11 @@ def shard_module(
 def full_parameters(module: torch.nn.Module) -> Iterator[None]:
     """All parameters gathered on every rank for the block, so that ranks can run different numbers of forward
     passes without collectives (generation: each rank stops at its own EOS)."""
+    if world_size() <= 1:  # nothing is sharded
+        yield
+        return
+    from torch.distributed.fsdp import FSDPModule
+
     sharded = [m for m in module.modules() if isinstance(m, FSDPModule)]
     for m in sharded:
         m.unshard()
@@ -117,6 +118,8 @@ def full_parameters(module: torch.nn.Module) -> Iterator[None]:
 
 def full_model_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The whole model's weights on rank 0 (CPU); an empty dict on the other ranks. All ranks must call it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
@@ -124,6 +127,8 @@ def load_full_model_state_dict(module: torch.nn.Module, state: dict[str, torch.T
     """Load full weights (read on rank 0, broadcast) into a possibly sharded module; returns (missing, unexpected)."""
     if world_size() <= 1:
         return module.load_state_dict(state, strict=False)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
     result = set_model_state_dict(
         module, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
     )
@@ -133,6 +138,8 @@ def load_full_model_state_dict(module: torch.nn.Module, state: dict[str, torch.T
 def full_optimizer_state_dict(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     if world_size() <= 1:
         return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
     return get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
@@ -142,6 +149,8 @@ def load_full_optimizer_state_dict(
     if world_size() <= 1:
         optimizer.load_state_dict(state)
     else:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
         set_optimizer_state_dict(
             module, optimizer, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         )

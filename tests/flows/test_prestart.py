@@ -15,11 +15,20 @@ from flows.workers import PREFIX, WORKERS_NAMESPACE_TAG, workers_namespace
 from rl_core.step_checkpoint import LOCK_FILE
 
 
-def prestarted_pid(config) -> int:
-    """The pid of the prestarted group's rank 0, once the prestart is done."""
+def prestarted_rank0(config):
+    """The prestarted group's rank 0, once the prestart is done."""
     prestart.wait()
-    actor = ray.get_actor(f"{PREFIX}-rank0", namespace=workers_namespace(config))
-    return ray.get(actor.health.remote(), timeout=30)["pid"]
+    return ray.get_actor(f"{PREFIX}-rank0", namespace=workers_namespace(config))
+
+
+def prestarted_pid(config) -> int:
+    return ray.get(prestarted_rank0(config).health.remote(), timeout=30)["pid"]
+
+
+def policy_settings(worker) -> tuple[str, int]:
+    """The model path and the LR schedule's length a fused worker's policy role holds."""
+    role = worker.roles["actor_rollout_ref"]
+    return role.model_config.path, role.actor_config.optim.total_training_steps
 
 
 def actors_in(namespace: str) -> list[str]:
@@ -34,12 +43,16 @@ def trained_run(overrides: list[str]):
 def test_the_session_takes_the_prestarted_workers_of_its_config(run_overrides):
     overrides = run_overrides("trainer.total_training_steps=1", "trainer.val_before_train=false")
     config = compose_config(overrides)
+    assert config.actor_rollout_ref.model.path is None  # the demo's, filled in while the workers' processes start
     prestart.prestart(config)
     try:
         pid = prestarted_pid(config)
+        # the workers were started before the inputs were loaded, and hold the run's final settings
+        held = ray.get(prestarted_rank0(config).__ray_call__.remote(policy_settings), timeout=30)
         run = trained_run(overrides)
     finally:
         prestart.release()
+    assert held == (run.data.params["actor_rollout_ref.model.path"], 1)
     assert run.data.tags["ppoflow.worker_pids"] == str(pid)  # the prestarted process trained
     assert run.data.tags[WORKERS_NAMESPACE_TAG] == workers_namespace(config)
     assert not actors_in(workers_namespace(config))  # a finished run ends its workers

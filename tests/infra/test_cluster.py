@@ -101,6 +101,17 @@ def test_fused_roles_share_one_process_per_rank(echo_group):
     assert hasattr(echo_group.fused_class, "echo_double") and hasattr(echo_group.fused_class, "other_double")
 
 
+def test_a_started_group_takes_new_role_arguments_not_new_roles(echo_group):
+    try:
+        echo_group.set_roles({"echo": (EchoWorker, ("c",), {}), "other": (EchoWorker, ("d",), {})})
+        assert [echo_group.role(r).whoami()["tag"] for r in ("echo", "other")] == ["c", "d"]
+        with pytest.raises(ValueError, match=r"this worker holds roles \['echo', 'other'\], not \['echo'\]"):
+            echo_group.set_roles({"echo": (EchoWorker, ("c",), {})})
+    finally:
+        echo_group.set_roles(ECHO)
+    assert echo_group.role("echo").whoami()["tag"] == "a"
+
+
 @pytest.mark.parametrize("size", [7, 3, 1, 9])
 def test_dp_dispatch_with_sizes_not_divisible_by_the_world(echo_group, size):
     out = echo_group.role("echo").double(Batch({"x": torch.arange(size)}))
