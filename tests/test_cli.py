@@ -65,3 +65,15 @@ def test_a_refusal_imports_neither_torch_nor_ray_nor_prefect(tmp_path):
         )
         result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
         assert result.stdout.splitlines()[-1] == "2 []", result.stdout + result.stderr
+
+
+def test_the_resume_check_of_a_fresh_run_imports_neither_mlflow_nor_torch(tmp_path):
+    """A run with nothing to resume passes its resume check in milliseconds: MLflow's client and the checkpoint code
+    are imported only for a run that has a checkpoint (flows/resume.py::check_resume)."""
+    code = (
+        "import sys\nfrom flows.config import compose_config\nfrom flows.resume import check_resume\n"
+        f"result = check_resume(compose_config(['trainer.default_local_dir={tmp_path}/checkpoints']))\n"
+        "print(result, [name for name in ('torch', 'mlflow') if name in sys.modules])"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.stdout.splitlines()[-1] == "None []", result.stdout + result.stderr
