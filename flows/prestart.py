@@ -4,11 +4,14 @@ Before the flow run of ``ppoflow train`` begins, the command spends seconds star
 importing the flow; the workers (a new process importing torch and the models' code, then loading the models) used
 to start only after that. Their Ray namespace is named after the checkpoint folder
 (:func:`flows.workers.workers_namespace`: known from the config alone), so the command starts them right after its
-input checks: :func:`prestart` takes the folder's lock, loads the run's inputs (tokenizer, data, reward) and builds the
-worker group, in a thread. The flow's session then claims each part (:func:`claim_inputs`, :func:`claim_lock`,
-:func:`claim_group`) when its own config is the one the part was made for, and makes the part itself otherwise; the
-command releases what was not claimed (:func:`release`). Only a run that starts from scratch is prestarted: a resumed
-run may reattach to its live workers, which its session decides under the folder's lock.
+input checks: :func:`prestart` takes the folder's lock and, in a thread, loads the run's inputs (tokenizer, data,
+reward) while a second thread starts the worker processes as soon as Ray answers; once the inputs are loaded the
+workers get the run's final config (the demo's paths, the LR schedule's length from the data's size) and load their
+models (:func:`flows.workers.start_workers`, :func:`flows.workers.load_models`). The flow's session then claims
+each part (:func:`claim_inputs`, :func:`claim_lock`, :func:`claim_group`) when its own config is the one the part was
+made for, and makes the part itself otherwise; the command releases what was not claimed (:func:`release`). Only a
+run that starts from scratch is prestarted: a resumed run may reattach to its live workers, which its session decides
+under the folder's lock.
 """
 
 from __future__ import annotations
