@@ -4,8 +4,8 @@ Before the flow run of ``ppoflow train`` begins, the command spends seconds star
 importing the flow; the workers (a new process importing torch and the models' code, then loading the models) used
 to start only after that. Their Ray namespace is named after the checkpoint folder
 (:func:`flows.workers.workers_namespace`: known from the config alone), so the command starts them right after its
-input checks: :func:`prestart` takes the folder's lock and, in a thread, loads the run's inputs (tokenizer, data,
-reward) while a second thread starts the worker processes as soon as Ray answers; once the inputs are loaded the
+input checks: :func:`prestart` starts a thread that takes the folder's lock and loads the run's inputs (tokenizer,
+data, reward) while a second thread starts the worker processes as soon as Ray answers; once the inputs are loaded the
 workers get the run's final config (the demo's paths, the LR schedule's length from the data's size) and load their
 models (:func:`flows.workers.start_workers`, :func:`flows.workers.load_models`). The flow's session then claims
 each part (:func:`claim_inputs`, :func:`claim_lock`, :func:`claim_group`) when its own config is the one the part was
