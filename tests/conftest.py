@@ -17,16 +17,10 @@ from rl_core.models.tiny import make_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# The suite runs in two pytest processes (pyproject.toml: `-n 2 --dist loadgroup`): the tests on the session's Ray head
-# and Prefect API go to one of them as one group, so that the head and the API start once; the in-process tests spread
-# over both.
-SESSION_SERVICES = {"ray_address", "prefect_api"}
-
-
-def pytest_collection_modifyitems(items):
-    for item in items:
-        if SESSION_SERVICES & set(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.xdist_group("session-services"))
+# The suite runs in two pytest processes (pyproject.toml: `-n 2`), tests handed to whichever is free: each process
+# starts its own Ray head and Prefect API (the session fixtures below) when its first test needs one. (Grouping those
+# tests into one process with `--dist loadgroup` does nothing under pytest 9.2: xdist 3.8 renames the items' ids
+# through an attribute pytest no longer reads.)
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,10 @@ from rl_core.agent.tools.base import BaseTool, call_tool
 from rl_core.agent.tools.calculator import evaluate
 from rl_core.agent.tools.registry import ToolConfigError, builtin_tool, load_tools
 
+# the sandbox's user in this pytest process, its own: the suite's other process runs sandboxes too, and the checks below
+# (no process of the user left; the process limit, which counts per user) must not see them
+SANDBOX_UID = 60000 + os.getpid() % 5000
+
 CALCULATOR_YAML = """
 tools:
   - class_name: rl_core.agent.tools.calculator.CalculatorTool
@@ -91,7 +95,9 @@ def test_the_tool_yaml_loads_verls_format_and_names_the_file_and_tool_in_errors(
 
 @pytest.fixture(scope="module")
 def python():
-    return builtin_tool("python", {"timeout_s": 3, "memory_mb": 256, "max_output_chars": 1000})
+    return builtin_tool(
+        "python", {"timeout_s": 3, "memory_mb": 256, "max_output_chars": 1000, "run_as_uid": SANDBOX_UID}
+    )
 
 
 def run(tool, code: str) -> tuple[str, float]:
@@ -124,7 +130,7 @@ def test_the_python_tool_runs_code_isolated(python, monkeypatch):
     text, _ = run(python, "import os, pathlib; print(os.getuid()); print(pathlib.Path.cwd())")
     uid, folder = text.split()
     if os.geteuid() == 0:
-        assert int(uid) == 65534  # root hands the code to nobody
+        assert int(uid) == SANDBOX_UID  # root hands the code to the configured unprivileged user
     assert folder.startswith("/tmp/ppoflow-sandbox-") and not Path(folder).exists()  # removed after the call
 
 
@@ -143,7 +149,7 @@ def test_the_python_tools_limits_end_a_call_with_an_error_and_leave_no_process(p
     text, seconds = run(python, code)
     assert "error: " in text and message in text and seconds < 3 + 1, (text, seconds)
     if os.geteuid() == 0:
-        assert running_processes_of(65534) == []
+        assert running_processes_of(SANDBOX_UID) == []
 
 
 def test_the_python_tool_refuses_to_run_where_it_cannot_isolate(python, tmp_path, monkeypatch):
