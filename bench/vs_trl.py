@@ -431,9 +431,8 @@ def main() -> None:
     print(f"{'run':<14}{'step median (s)':>16}{'tokens/s':>10}{'peak RSS (GB)':>15}{'val accuracy':>14}")
     for name, row in rows.items():
         tokens = f"{row['tokens_per_s']:.0f}" if row["tokens_per_s"] else "-"
-        print(
-            f"{name:<14}{row['step_median_s']:>16.3f}{tokens:>10}{row['peak_rss_gb']:>15.2f}{row['val_accuracy']:>14.3f}"
-        )
+        step, accuracy = row["step_median_s"], row["val_accuracy"]
+        print(f"{name:<14}{step:>16.3f}{tokens:>10}{row['peak_rss_gb']:>15.2f}{accuracy:>14.3f}")
     ratios = {
         f"{algo}_step_ratio_ppoflow_over_trl": round(
             rows[f"ppoflow-{algo}"]["step_median_s"] / rows[f"trl-{algo}"]["step_median_s"], 3
