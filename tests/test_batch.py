@@ -1,5 +1,7 @@
 """The step's batch container: indexing, combining, data-parallel chunking and their round trips."""
 
+import pickle
+
 import numpy as np
 import pytest
 import torch
@@ -103,3 +105,31 @@ def test_device_move_keeps_values():
     batch = make_batch(2).to("meta")  # a real second device on a CPU-only machine
     assert all(t.device.type == "meta" for t in batch.tensors.values())
     assert isinstance(batch.non_tensors["uid"], np.ndarray)
+
+
+def test_pickling_round_trips_every_field_and_sends_a_slice_alone():
+    batch = make_batch(8)
+    batch.tensors["weights"] = torch.rand(8, 3, dtype=torch.bfloat16)  # numpy has no bfloat16: torch pickles it
+    batch.tensors["grad"] = torch.rand(8, requires_grad=True)
+    batch.tensors["flags"] = torch.rand(8) > 0.5
+    restored = pickle.loads(pickle.dumps(batch))
+    for key, tensor in batch.tensors.items():
+        assert restored.tensors[key].dtype == tensor.dtype and torch.equal(restored.tensors[key], tensor), key
+    assert restored.tensors["grad"].requires_grad
+    assert restored.non_tensors["uid"].tolist() == batch.non_tensors["uid"].tolist()
+    assert restored.meta_info == batch.meta_info
+    # a rank's chunk is a view of the whole batch's tensors: only its rows travel
+    big = Batch({"x": torch.zeros(1000, 256)})
+    assert len(pickle.dumps(big[:10])) < len(pickle.dumps(big)) / 50
+
+
+def test_unpickled_tensors_are_writable_from_read_only_buffers():
+    """Ray's object store hands out read-only zero-copy buffers (pickle protocol 5, out of band): the stages write
+    into their batches' tensors, so the unpickled tensor must own writable memory."""
+    batch = make_batch(4)
+    buffers: list[pickle.PickleBuffer] = []
+    data = pickle.dumps(batch, protocol=5, buffer_callback=buffers.append)
+    assert buffers  # the arrays went out of band
+    restored = pickle.loads(data, buffers=[memoryview(bytes(b.raw())) for b in buffers])  # bytes: read-only
+    restored.tensors["scores"][0] = 42
+    assert restored.tensors["scores"][0] == 42 and batch.tensors["scores"][0] != 42
