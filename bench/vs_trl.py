@@ -119,6 +119,7 @@ def run_ppoflow(args: argparse.Namespace, folder: str, model: str, train: str, v
             f"critic.optim.lr={demo.critic.optim.lr}",
             "actor_rollout_ref.actor.use_kl_loss=false",
             f"trainer.total_training_steps={args.steps}",
+            *[f"{key}={args.seed}" for key in ("data.seed", "actor_rollout_ref.rollout.seed") if args.seed is not None],
             "trainer.test_freq=-1",
             "trainer.val_before_train=false",
             "trainer.save_freq=-1",
@@ -235,7 +236,7 @@ def run_trl_grpo(args: argparse.Namespace, folder: str, model: str, train: str, 
         report_to=[],
         logging_steps=1,
         save_strategy="no",
-        seed=0,
+        seed=args.seed or 0,
         disable_tqdm=True,
     )
     timer = StepTimer()
@@ -315,7 +316,7 @@ def run_trl_ppo(args: argparse.Namespace, folder: str, model: str, train: str, v
         report_to=[],
         logging_steps=1,
         save_strategy="no",
-        seed=0,
+        seed=args.seed or 0,
         disable_tqdm=True,
     )
     policy = AutoModelForCausalLM.from_pretrained(model)
@@ -405,6 +406,12 @@ def main() -> None:
         default="demo",
         help="ppoflow's other settings: the demo profile's (default), verl's defaults, or TRL's equivalents",
     )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        help="one seed for every run's shuffling and sampling (default: each trainer's own: ppoflow's data.seed=1 and "
+        "rollout.seed=42, TRL's 0)",
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -417,6 +424,7 @@ def main() -> None:
         return
     argv = [f"--steps={args.steps}", f"--prompts={args.prompts}", f"--n={args.n}", f"--cache={args.cache}"]
     argv.append(f"--settings={args.settings}")
+    argv += [f"--seed={args.seed}"] * (args.seed is not None)
     argv += ["--compute-bound"] * args.compute_bound + [f"--response-length={args.response_length}"] * bool(
         args.response_length
     )
