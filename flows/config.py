@@ -69,10 +69,25 @@ def _explain(error: BaseException) -> str:
     return f"{key + ': ' if key else ''}{first}"
 
 
+# rollout correction's "lower_upper" bounds: Hydra reads an unquoted 1_5 as the number 15 (digit grouping)
+BOUND_KEYS = ("algorithm.rollout_correction.rollout_is_threshold", "algorithm.rollout_correction.rollout_rs_threshold")
+
+
+def bounds_as_strings(overrides: list[str]) -> list[str]:
+    """The overrides with an unquoted ``lower_upper`` value of a :data:`BOUND_KEYS` key quoted, as the user meant."""
+    quoted = []
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        if sep and key.lstrip("+~") in BOUND_KEYS and "_" in value and value[:1] not in "'\"":
+            override = f"{key}='{value}'"
+        quoted.append(override)
+    return quoted
+
+
 def compose_config(overrides: list[str] | None = None, base: str | None = None) -> DictConfig:
     """The root config with ``overrides`` applied, interpolations resolved and every value checked. ``base`` (the YAML
     of an earlier run's composed config) replaces the defaults: an evaluation starts from its training run's config."""
-    overrides = list(overrides or [])
+    overrides = bounds_as_strings(list(overrides or []))
     try:
         config = _compose(overrides, base)
         # `+profile=demo`: a model of one's own, the demo's values

@@ -32,6 +32,8 @@ VALUES = "values"  # (B, R) the critic's V(s_t)
 TOKEN_LEVEL_REWARDS = "token_level_rewards"  # (B, R) scores minus the KL penalty (when it is in the reward)
 ADVANTAGES = "advantages"  # (B, R)
 RETURNS = "returns"  # (B, R)
+# (B, R) rollout correction's importance weights in the policy loss (algorithm.rollout_correction.rollout_is)
+ROLLOUT_IS_WEIGHTS = "rollout_is_weights"
 
 # the tensors every worker stage reads: only these (plus the stage's own inputs) travel to the workers
 SEQUENCE = (INPUT_IDS, ATTENTION_MASK, POSITION_IDS, RESPONSES, RESPONSE_MASK)
@@ -52,3 +54,4 @@ GLOBAL_STEP = "global_step"  # seeds sampling: a re-run step draws the same samp
 VALIDATE = "validate"  # sample with val_kwargs
 VAL_KWARGS = "val_kwargs"  # an evaluation's own sampling settings
 GREEDY = "greedy"  # one greedy response per prompt (ReMax's baseline)
+ROLLOUT_CORRECTION = "rollout_correction"  # the update's RolloutCorrection settings in the bypass mode

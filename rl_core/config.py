@@ -344,6 +344,23 @@ class FilterGroupsConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """verl's rollout correction (rl_core/algos/rollout_correction.py): importance weights and rejection for samples
+    whose sampler's log-probs differ from the trained policy's (needs rollout.calculate_log_probs). Its metrics
+    (``rollout_corr/*``) are logged whenever the rollout's log-probs and the old log-probs both exist."""
+
+    rollout_is: str | None = None  # null | token | sequence: importance weights in the policy loss
+    rollout_is_threshold: Any = 2.0  # truncate the weights at this bound (TIS), or "lower_upper": zero outside (IcePop)
+    rollout_rs: str | None = None  # rejection filters, comma-separated: token_k1, seq_mean_k3, ... (see the module)
+    rollout_rs_threshold: Any = None  # one bound for all filters or one per filter; "lower_upper" for k1 filters
+    # false: decoupled (old log-probs recomputed; weights = pi_old / pi_rollout); true: bypass (the rollout's
+    # log-probs are the old ones, no old-log-prob pass; weights and rejection per micro-batch from pi_theta)
+    bypass_mode: bool = False
+    loss_type: str = "ppo_clip"  # bypass mode: ppo_clip (the PPO ratio is the correction) | reinforce (weighted)
+    rollout_is_batch_normalize: bool = False  # divide the weights by their batch mean
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "gae"  # see `ppoflow algos`; gae needs a critic (added automatically)
     gamma: float = 1.0
@@ -353,6 +370,7 @@ class AlgorithmConfig:
     kl_penalty: str = "kl"
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 # ---------------------------------------------------------------------------------------------- trainer
@@ -426,6 +444,14 @@ def use_critic(config: Any) -> bool:
     """A critic when ``critic.enable`` says so, else when the estimator needs values (GAE), as verl."""
     enable = config.critic.enable
     return bool(enable) if enable is not None else config.algorithm.adv_estimator == "gae"
+
+
+def recomputes_old_log_prob(config: Any) -> bool:
+    """Whether a step runs the old-log-prob pass: not when the update's own forward pass gives them
+    (``actor.recompute_old_log_prob=false``) nor in rollout correction's bypass mode (the rollout's are used)."""
+    return bool(config.actor_rollout_ref.actor.recompute_old_log_prob) and not (
+        config.algorithm.rollout_correction.bypass_mode
+    )
 
 
 def use_reference(config: Any) -> bool:
@@ -534,6 +560,33 @@ def check_token_budgets(config: Any) -> None:
             )
 
 
+def check_rollout_correction(config: Any) -> None:
+    """``algorithm.rollout_correction``'s values, and what its modes need: the rollout's log-probs, and in the
+    decoupled mode the recomputed old log-probs."""
+    from rl_core.correction_settings import RolloutCorrection, RolloutCorrectionError
+
+    key = "algorithm.rollout_correction"
+    try:
+        settings = RolloutCorrection.from_config(config.algorithm.rollout_correction)
+    except RolloutCorrectionError as error:
+        raise ConfigValueError(str(error)) from None
+    if (settings.corrects or settings.bypass_mode) and not config.actor_rollout_ref.rollout.calculate_log_probs:
+        raise ConfigValueError(
+            f"{key} needs the rollout's own log-probs: set actor_rollout_ref.rollout.calculate_log_probs=true"
+        )
+    if settings.corrects and not settings.bypass_mode and not config.actor_rollout_ref.actor.recompute_old_log_prob:
+        raise ConfigValueError(
+            f"{key} in the decoupled mode weighs the samples by pi_old / pi_rollout, and "
+            "actor_rollout_ref.actor.recompute_old_log_prob=false computes no pi_old: set it to true, or "
+            f"{key}.bypass_mode=true (the rollout's log-probs as the old ones)"
+        )
+    if settings.bypass_mode and config.algorithm.use_kl_in_reward:
+        raise ConfigValueError(
+            f"{key}.bypass_mode=true with algorithm.use_kl_in_reward=true: the KL penalty needs the recomputed old "
+            "log-probs that the bypass mode skips; use actor_rollout_ref.actor.use_kl_loss instead"
+        )
+
+
 def check_config(config: Any) -> None:
     """Refuse values that the types allow but the run cannot use, naming the key and the fix (the algorithm names:
     :func:`check_algorithm_names`)."""
@@ -595,6 +648,7 @@ def check_config(config: Any) -> None:
             "data.train_batch_size (one update of the policy the responses came from) and no "
             "algorithm.use_kl_in_reward (it needs the old log-probs before the advantage)"
         )
+    check_rollout_correction(config)
     rollout = config.actor_rollout_ref.rollout
     if not 0 < rollout.gpu_memory_utilization <= 1:
         raise ConfigValueError(

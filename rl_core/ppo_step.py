@@ -26,6 +26,7 @@ from rl_core.agent.tools.registry import configured_tools
 from rl_core.algos.advantage import call_adv_estimator
 from rl_core.algos.kl import apply_kl_penalty
 from rl_core.algos.masked import masked_mean
+from rl_core.algos.rollout_correction import rollout_correction
 from rl_core.batch import Batch
 from rl_core.batch_fields import (
     ADVANTAGES,
@@ -41,6 +42,8 @@ from rl_core.batch_fields import (
     RETURNS,
     REWARD_BASELINES,
     RM_SCORES,
+    ROLLOUT_CORRECTION,
+    ROLLOUT_IS_WEIGHTS,
     ROLLOUT_LOG_PROBS,
     SEQUENCE,
     TOKEN_LEVEL_REWARDS,
@@ -50,7 +53,8 @@ from rl_core.batch_fields import (
     VALIDATE,
     VALUES,
 )
-from rl_core.config import use_critic, use_reference
+from rl_core.config import recomputes_old_log_prob, use_critic, use_reference
+from rl_core.correction_settings import RolloutCorrection
 from rl_core.data.dataset import RLDataset
 from rl_core.data.sampler import ResumableSampler
 from rl_core.metrics import compute_data_metrics, multi_turn_metrics, rollout_probs_diff_metrics, validation_metrics
@@ -160,13 +164,25 @@ def values(workers: StepWorkers, batch: Batch) -> Batch:
 def advantage(
     config: Any, kl_controller: Any, batch: Batch, old: Batch | None, ref: Batch | None, value: Batch | None
 ) -> tuple[Batch, Metrics]:
-    """Stage 6 (cheap maths, in the controller): KL in the reward (optional), then the configured estimator ->
-    ``token_level_rewards``, ``advantages``, ``returns``; the KL metrics."""
+    """Stage 6 (cheap maths, in the controller): KL in the reward (optional), rollout correction in its decoupled
+    mode (with the rollout's and the old log-probs: importance weights ``rollout_is_weights`` and a
+    ``response_mask`` without the rejected tokens, which then replaces the batch's), then the configured estimator
+    -> ``token_level_rewards``, ``advantages``, ``returns``; the KL and ``rollout_corr/*`` metrics."""
     algorithm = config.algorithm
     scores, response_mask = batch.tensors[TOKEN_LEVEL_SCORES], batch.tensors[RESPONSE_MASK]
     metrics: Metrics = {}
+    corrected: dict = {}
+    correction = RolloutCorrection.from_config(algorithm.rollout_correction)
+    if old is not None and ROLLOUT_LOG_PROBS in batch.tensors and not correction.bypass_mode:
+        weights, kept, metrics = rollout_correction(
+            old.tensors[OLD_LOG_PROBS], batch.tensors[ROLLOUT_LOG_PROBS], response_mask, correction
+        )
+        if weights is not None:
+            corrected[ROLLOUT_IS_WEIGHTS] = weights
+        if correction.rejections:
+            corrected[RESPONSE_MASK] = response_mask = kept
     if algorithm.use_kl_in_reward:
-        rewards, metrics = apply_kl_penalty(
+        rewards, kl_metrics = apply_kl_penalty(
             scores,
             old.tensors[OLD_LOG_PROBS],
             ref.tensors[REF_LOG_PROB],
@@ -174,6 +190,7 @@ def advantage(
             kl_controller,
             algorithm.kl_penalty,
         )
+        metrics |= kl_metrics
     else:
         rewards = scores
     inputs = {
@@ -190,7 +207,7 @@ def advantage(
     if REWARD_BASELINES in batch.tensors:
         inputs["reward_baselines"] = batch.tensors[REWARD_BASELINES]
     advantages, returns = call_adv_estimator(algorithm.adv_estimator, **inputs)
-    return Batch({TOKEN_LEVEL_REWARDS: rewards, ADVANTAGES: advantages, RETURNS: returns}), metrics
+    return Batch({TOKEN_LEVEL_REWARDS: rewards, ADVANTAGES: advantages, RETURNS: returns, **corrected}), metrics
 
 
 def update_critic(workers: StepWorkers, batch: Batch, value: Batch, adv: Batch) -> Metrics:
@@ -201,10 +218,13 @@ def update_critic(workers: StepWorkers, batch: Batch, value: Batch, adv: Batch) 
 
 def update_actor(workers: StepWorkers, batch: Batch, old: Batch | None, ref: Batch | None, adv: Batch) -> Metrics:
     """Stage 8: PPO updates of the actor (the rollout shares its weights: no sync needed); its metrics. ``old`` is
-    None when the update computes the old log-probs itself (``recompute_old_log_prob=false``)."""
-    inputs = [Batch({ADVANTAGES: adv.tensors[ADVANTAGES]})]
+    None when the update computes the old log-probs itself (``recompute_old_log_prob=false``) or takes the
+    rollout's (rollout correction's bypass mode)."""
+    inputs = [adv.select([k for k in (ADVANTAGES, ROLLOUT_IS_WEIGHTS) if k in adv.tensors])]
     if old is not None:
         inputs.append(Batch({OLD_LOG_PROBS: old.tensors[OLD_LOG_PROBS]}))
+    elif ROLLOUT_LOG_PROBS in batch.tensors:
+        inputs.append(batch.select([ROLLOUT_LOG_PROBS]))
     if ref is not None:
         inputs.append(Batch({REF_LOG_PROB: ref.tensors[REF_LOG_PROB]}))
     return workers.actor.update_actor(_for_workers(batch, *inputs))
@@ -270,17 +290,18 @@ def run_ppo_step(
         batch = batch[balanced_order(batch.tensors[ATTENTION_MASK].sum(-1).tolist(), workers.world_size)]
 
     # Stages 3-5: log-probs of the current and the reference policy, values (the first skipped when the update's
-    # own forward pass serves as the old log-probs: actor.recompute_old_log_prob=false)
-    old = (
-        stage("old_log_prob", old_log_prob, workers, batch)
-        if config.actor_rollout_ref.actor.recompute_old_log_prob
-        else None
-    )
+    # own forward pass serves as the old log-probs, actor.recompute_old_log_prob=false, or the rollout's do:
+    # algorithm.rollout_correction.bypass_mode)
+    old = stage("old_log_prob", old_log_prob, workers, batch) if recomputes_old_log_prob(config) else None
+    if config.algorithm.rollout_correction.bypass_mode:
+        batch.meta_info[ROLLOUT_CORRECTION] = RolloutCorrection.from_config(config.algorithm.rollout_correction)
     ref = stage("ref_log_prob", ref_log_prob, workers, batch) if use_reference(config) else None
     value = stage("values", values, workers, batch) if use_critic(config) else None
 
-    # Stage 6: advantage
+    # Stage 6: advantage (and rollout correction: a mask without the rejected tokens replaces the batch's)
     adv = stage("advantage", advantage, config, kl_controller, batch, old, ref, value)
+    if RESPONSE_MASK in adv.tensors:
+        batch.tensors[RESPONSE_MASK] = adv.tensors[RESPONSE_MASK]
 
     # Stages 7-8: critic and actor updates
     if value is not None:

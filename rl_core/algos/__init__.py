@@ -2,7 +2,8 @@
 
 Where to look: advantage estimators in :mod:`.advantage`, policy losses in :mod:`.policy_loss`, KL penalties and
 controllers in :mod:`.kl`, the value loss in :mod:`.value`, loss aggregation in :mod:`.aggregate`, entropy in
-:mod:`.entropy`, masked statistics in :mod:`.masked`.
+:mod:`.entropy`, masked statistics in :mod:`.masked`, rollout correction (importance weights and rejection for samples
+from another policy) in :mod:`.rollout_correction`.
 """
 
 from rl_core.algos.advantage import (

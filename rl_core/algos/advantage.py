@@ -21,8 +21,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from rl_core.algos.config_access import config_get
 from rl_core.algos.masked import masked_whiten
+from rl_core.config_access import config_get
 
 AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {}

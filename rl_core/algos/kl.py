@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from rl_core.algo_names import KL_PENALTIES
-from rl_core.algos.config_access import config_get
 from rl_core.algos.masked import masked_mean
+from rl_core.config_access import config_get
 
 
 def kl_estimate(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, estimator: str) -> torch.Tensor:

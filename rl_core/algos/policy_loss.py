@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from rl_core.algos.aggregate import agg_loss
-from rl_core.algos.config_access import config_get
 from rl_core.algos.masked import masked_mean
+from rl_core.config_access import config_get
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 POLICY_LOSSES: dict[str, PolicyLossFn] = {}
@@ -325,3 +325,20 @@ def compute_policy_loss_cispo(
     pg_clipfrac = masked_mean((ratio != clipped_ratio).float(), response_mask)
     pg_loss = _aggregate(_weighted(pg_losses, rollout_is_weights), response_mask, loss_agg_mode, config)
     return pg_loss, _metrics(pg_clipfrac, masked_mean(-log_ratio, response_mask))
+
+
+def compute_policy_loss_reinforce(
+    rollout_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """REINFORCE with importance weights (rollout correction's bypass mode, ``loss_type=reinforce``; not a
+    ``loss_mode``): loss = -A w log_prob, w the detached weights pi_theta / pi_rollout (1 without them), no clipping.
+    actor/ppo_kl = mean(log pi_rollout - log pi_theta)."""
+    pg_losses = -advantages * log_prob
+    pg_loss = _aggregate(_weighted(pg_losses, rollout_is_weights), response_mask, loss_agg_mode, config)
+    return pg_loss, {"actor/ppo_kl": _scalar(masked_mean(rollout_log_prob - log_prob, response_mask))}

@@ -30,9 +30,9 @@ import torch
 from rl_core.agent.runner import MultiTurnRollout
 from rl_core.agent.tools.registry import configured_tools
 from rl_core.algos.aggregate import agg_loss
-from rl_core.algos.config_access import config_get
 from rl_core.algos.kl import kl_penalty
-from rl_core.algos.policy_loss import get_policy_loss_fn
+from rl_core.algos.policy_loss import compute_policy_loss_reinforce, get_policy_loss_fn
+from rl_core.algos.rollout_correction import rollout_correction
 from rl_core.batch import Batch
 from rl_core.batch_fields import (
     ADVANTAGES,
@@ -44,9 +44,13 @@ from rl_core.batch_fields import (
     REF_LOG_PROB,
     RESPONSE_MASK,
     RESPONSES,
+    ROLLOUT_CORRECTION,
+    ROLLOUT_IS_WEIGHTS,
+    ROLLOUT_LOG_PROBS,
     TEMPERATURE,
 )
 from rl_core.checkpoint import rng_state, set_rng_state
+from rl_core.config_access import config_get
 from rl_core.device import autocast, compute_dtype, cuda_memory_metrics, on_worker_device
 from rl_core.models.flops import update_mfu
 from rl_core.models.loading import ModelLoadWarning, load_policy_model, load_warnings, padding_free_works
@@ -238,29 +242,47 @@ class ActorRolloutRefWorker:
         loss_agg_mode = actor.loss_agg_mode
         entropy_coeff = float(actor.entropy_coeff)
         use_kl_loss = bool(actor.use_kl_loss)
-        reuse_log_prob = not bool(actor.recompute_old_log_prob)
+        bypass = batch.meta_info.get(ROLLOUT_CORRECTION)  # the rollout's log-probs are the old ones
+        reuse_log_prob = OLD_LOG_PROBS not in batch.tensors and bypass is None
         temperature = batch.meta_info.get(TEMPERATURE, 1.0)
         entropy_sums = torch.zeros(2, dtype=torch.float64)  # (sum of entropy over valid tokens, valid tokens)
         started = time.perf_counter()
 
         def micro_loss(micro: Batch, info: dict[str, float], share: float) -> tuple[torch.Tensor, dict[str, float]]:
             mask = micro.tensors[RESPONSE_MASK]
+            no_old_pass = OLD_LOG_PROBS not in micro.tensors
             log_prob, entropy = self._micro_log_probs(
-                self.module, micro, temperature, calculate_entropy=entropy_coeff != 0 or reuse_log_prob
+                self.module, micro, temperature, calculate_entropy=entropy_coeff != 0 or no_old_pass
             )
-            if reuse_log_prob:
-                old_log_prob = log_prob.detach()
+            if no_old_pass:  # the entropy metric that compute_log_prob would have reported
                 entropy_sums.add_(torch.stack([(entropy.detach() * mask).sum(), mask.sum()]).double().cpu())
+            weights, correction_metrics = micro.tensors.get(ROLLOUT_IS_WEIGHTS), {}
+            if bypass is not None:  # pi_theta against the rollout's policy, weights and rejection per micro-batch
+                old_log_prob = micro.tensors[ROLLOUT_LOG_PROBS]
+                weights, mask, correction_metrics = rollout_correction(log_prob.detach(), old_log_prob, mask, bypass)
             else:
-                old_log_prob = micro.tensors[OLD_LOG_PROBS]
-            pg_loss, metrics = loss_fn(
-                old_log_prob=old_log_prob,
-                log_prob=log_prob,
-                advantages=micro.tensors[ADVANTAGES],
-                response_mask=mask,
-                loss_agg_mode=loss_agg_mode,
-                config=LossConfig(actor, info),
-            )
+                old_log_prob = log_prob.detach() if reuse_log_prob else micro.tensors[OLD_LOG_PROBS]
+            if bypass is not None and bypass.loss_type == "reinforce":
+                pg_loss, metrics = compute_policy_loss_reinforce(
+                    old_log_prob,
+                    log_prob,
+                    micro.tensors[ADVANTAGES],
+                    mask,
+                    loss_agg_mode,
+                    LossConfig(actor, info),
+                    weights,
+                )
+            else:  # in the bypass mode's ppo_clip the PPO ratio pi_theta / pi_rollout is the correction: no weights
+                pg_loss, metrics = loss_fn(
+                    old_log_prob=old_log_prob,
+                    log_prob=log_prob,
+                    advantages=micro.tensors[ADVANTAGES],
+                    response_mask=mask,
+                    loss_agg_mode=loss_agg_mode,
+                    config=LossConfig(actor, info),
+                    rollout_is_weights=None if bypass is not None else weights,
+                )
+            metrics |= correction_metrics
             if not self.loss_is_global:  # a micro-batch mean: weigh it by the micro-batch's share of the mini-batch
                 pg_loss = pg_loss * share
             metrics = {**metrics, "actor/pg_loss": pg_loss.item()}
@@ -294,7 +316,7 @@ class ActorRolloutRefWorker:
             )
         if use_kl_loss:
             metrics["actor/kl_coef"] = float(actor.kl_loss_coef)
-        if reuse_log_prob:  # over every rank's tokens
+        if OLD_LOG_PROBS not in batch.tensors:  # over every rank's tokens
             entropy_sum, tokens = global_sum(entropy_sums[0]), global_sum(entropy_sums[1])
             metrics["actor/entropy"] = float(entropy_sum / tokens.clamp(min=1))
         metrics.update(

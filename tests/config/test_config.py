@@ -67,6 +67,25 @@ def test_code_takes_its_defaults_from_the_schema():
     assert config.data.filter_overlong_prompts is False
 
 
+def test_rollout_corrections_settings_are_checked_with_what_each_mode_needs():
+    key = "algorithm.rollout_correction"
+    with pytest.raises(ConfigError, match=re.escape(f"{key}.rollout_is='tokens': choose token, sequence or null")):
+        compose_config([f"{key}.rollout_is=tokens"])
+    with pytest.raises(ConfigError, match="token_k9 is not a filter"):
+        compose_config([f"{key}.rollout_rs=token_k9", f"{key}.rollout_rs_threshold=2"])
+    with pytest.raises(ConfigError, match="set actor_rollout_ref.rollout.calculate_log_probs=true"):
+        compose_config([f"{key}.bypass_mode=true", "actor_rollout_ref.rollout.calculate_log_probs=false"])
+    with pytest.raises(ConfigError, match="recompute_old_log_prob=false computes no pi_old"):
+        compose_config(
+            [f"{key}.rollout_is=token", "actor_rollout_ref.actor.recompute_old_log_prob=false"]
+            + ["actor_rollout_ref.rollout.calculate_log_probs=true", "actor_rollout_ref.actor.ppo_mini_batch_size=32"]
+        )
+    # Hydra would read 1_5 as 15 (digit grouping): the bounds stay the string the user typed
+    logprobs = "actor_rollout_ref.rollout.calculate_log_probs=true"
+    config = compose_config([f"{key}.rollout_is=token", f"{key}.rollout_is_threshold=0.2_5", logprobs])
+    assert config.algorithm.rollout_correction.rollout_is_threshold == "0.2_5"
+
+
 @pytest.mark.parametrize(
     "override,message",
     [
