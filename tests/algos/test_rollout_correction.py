@@ -71,16 +71,21 @@ def loop_rejection(log_prob, rollout, mask, option, lower, upper):
     return out
 
 
+def random_log_probs(seed, shape, padding, spread):
+    """(trained, rollout, mask): trained log-probs in [-2, 0], the rollout's off by N(0, spread) per token."""
+    g = torch.Generator().manual_seed(seed)
+    mask = make_mask(g, *shape, padding)
+    log_prob = -torch.rand(*shape, generator=g) * 2
+    return log_prob, log_prob + torch.randn(*shape, generator=g) * spread, mask
+
+
 @pytest.mark.parametrize("padding", ["right", "left", "holes"])
 @pytest.mark.parametrize(
     "level,threshold,lower,upper",
     [("token", 2.0, None, 2.0), ("sequence", 4.0, None, 4.0), ("token", "0.5_1.5", 0.5, 1.5)],
 )
 def test_weights_equal_a_plain_loop(padding, level, threshold, lower, upper):
-    g = torch.Generator().manual_seed(7)
-    mask = make_mask(g, 9, 8, padding)
-    log_prob = -torch.rand(9, 8, generator=g) * 2
-    rollout = log_prob + torch.randn(9, 8, generator=g) * 0.5
+    log_prob, rollout, mask = random_log_probs(7, (9, 8), padding, spread=0.5)
     settings = RolloutCorrection.from_config({"rollout_is": level, "rollout_is_threshold": threshold})
     weights, kept, _ = rollout_correction(log_prob, rollout, mask, settings)
     expected = loop_weights(log_prob.tolist(), rollout.tolist(), mask.tolist(), level, upper, lower)
@@ -100,10 +105,7 @@ def test_weights_equal_a_plain_loop(padding, level, threshold, lower, upper):
     ],
 )
 def test_rejection_equals_a_plain_loop(padding, option, threshold, lower, upper):
-    g = torch.Generator().manual_seed(11)
-    mask = make_mask(g, 12, 7, padding)
-    log_prob = -torch.rand(12, 7, generator=g) * 2
-    rollout = log_prob + torch.randn(12, 7, generator=g) * 0.3
+    log_prob, rollout, mask = random_log_probs(11, (12, 7), padding, spread=0.3)
     settings = RolloutCorrection.from_config({"rollout_rs": option, "rollout_rs_threshold": threshold})
     weights, kept, metrics = rollout_correction(log_prob, rollout, mask, settings)
     expected = loop_rejection(log_prob.tolist(), rollout.tolist(), mask.tolist(), option, lower, upper)
