@@ -47,6 +47,8 @@ from flows.workers import (
     RUN_LABEL,
     WORKERS_NAMESPACE_TAG,
     build_fresh_workers,
+    build_rollout_workers,
+    has_separate_rollout,
     reattach_workers,
     step_workers,
     weights_at,
@@ -58,7 +60,8 @@ from rl_core.algos.kl import get_kl_controller
 from rl_core.batch import Batch
 from rl_core.batch_fields import ATTENTION_MASK
 from rl_core.data.sampler import ResumableSampler
-from rl_core.ppo_step import StepWorkers, retry_safe_stages, run_ppo_step, run_validation
+from rl_core.ppo_step import StepWorkers, generation_on, retry_safe_stages, run_ppo_step, run_validation
+from rl_core.separate_rollout import SeparateRollout
 from rl_core.step_checkpoint import CheckpointError, FolderLock, StepCheckpoints
 
 
@@ -110,6 +113,7 @@ class TrainingSession:
         self.timeout = config.trainer.worker_timeout_s
         self.run_stage = StageRunner(config.trainer.stage_retries, retry_safe_stages(config))
         self.group: WorkerGroup | None = None
+        self.rollout_group: WorkerGroup | None = None  # a rollout of its own (rollout.n_gpus_per_node > 0)
         self.workers: StepWorkers | None = None
         self.tracker: RunTracker | None = None
         self.finished_result: dict[str, Any] | None = None  # set when the run had finished already
@@ -231,11 +235,31 @@ class TrainingSession:
     def _use_group(self) -> None:
         self.tracker.set_tags({"ppoflow.worker_pids": ",".join(str(r["pid"]) for r in self.group.health(self.timeout))})
         self.workers = step_workers(self.group, self.timeout, self.config.reward.timeout_s)
+        if has_separate_rollout(self.config):  # a rollout of its own: its group beside the trainer's
+            if self.rollout_group is None:
+                started = time.perf_counter()
+                self.rollout_group = build_rollout_workers(self.config, self.group.namespace)
+                self.view.log(f"set-up: the rollout's own worker {time.perf_counter() - started:.1f} s")
+            self.workers.separate_rollout = SeparateRollout(
+                self.workers.actor,
+                self.rollout_group.role("actor_rollout_ref", self.timeout),
+                self.config.async_training.mode,
+                generation_on(self.config, self.inputs.reward_manager),
+            )
+
+    def _drop_rollout_group(self) -> None:
+        """End a rollout of its own: the generation in flight, then its workers."""
+        if self.workers is not None and self.workers.separate_rollout is not None:
+            self.workers.separate_rollout.close()
+        if self.rollout_group is not None:
+            self.rollout_group.kill()
+            self.rollout_group = None
 
     def __exit__(self, kind: type | None, error: BaseException | None, traceback: Any) -> None:
         try:
             if error is not None and self.tracker is not None:
                 self.tracker.fail(error, killed=told_to_stop(error))
+            self._drop_rollout_group()
             if self.group is not None and (error is None or not keeps_workers_on_failure(self.config, error)):
                 self.group.kill()
             flush_reported_runs()  # the step's task runs reach Prefect before its flow run ends
@@ -262,6 +286,7 @@ class TrainingSession:
                 f"(restart {self.restarts}/{self.config.trainer.max_worker_restarts})"
             )
             self.tracker.set_tags({"ppoflow.worker_restarts": self.restarts})
+            self._drop_rollout_group()
             self.group.kill()
             self._build_group()
             self._use_group()

@@ -18,6 +18,7 @@ import ray
 from omegaconf import DictConfig
 
 from infra.resource_pool import ResourcePool, smallest_node_cpus
+from infra.weight_transport import ObjectStoreTransport
 from infra.worker_group import WorkerGroup, placement_group_prefix
 from rl_core.config import use_critic, use_reference
 from rl_core.device import resolve_device
@@ -25,6 +26,7 @@ from rl_core.ppo_step import StepWorkers
 from rl_core.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
 
 PREFIX = "workers"
+ROLLOUT_PREFIX = "rollout"  # a rollout of its own: its group beside the trainer's, in the same namespace
 NAMESPACE_PREFIX = "ppoflow-run-"
 WORKERS_NAMESPACE_TAG = "ppoflow.workers_namespace"  # the MLflow run's tag naming its workers' namespace
 RUN_LABEL = "mlflow_run_id"  # the group's label naming the MLflow run it serves (beside the namespace)
@@ -45,11 +47,21 @@ def worker_device(config: DictConfig) -> str:
     return resolve_device(config.trainer.device, gpus)
 
 
+def has_separate_rollout(config: DictConfig) -> bool:
+    """Whether the rollout runs on workers of its own (``rollout.n_gpus_per_node > 0``: rl_core/separate_rollout.py)."""
+    return config.rollout.n_gpus_per_node > 0
+
+
 def role_specs(config: DictConfig, evaluation: bool = False) -> dict:
-    """Roles of the run's workers; an ``evaluation`` needs only the policy (and the reward model)."""
+    """Roles of the run's workers; an ``evaluation`` needs only the policy (and the reward model). With a rollout of
+    its own the actor exports its weights through Ray's object store (the trainer's workers keep their rollout role:
+    validation generates there)."""
     policy_role = "actor_rollout_ref" if use_reference(config) and not evaluation else "actor_rollout"
     on_device = {"device": worker_device(config)}
-    specs = {"actor_rollout_ref": (ActorRolloutRefWorker, (config.actor_rollout_ref, policy_role), on_device)}
+    policy_options = on_device | (
+        {"weight_transport": ObjectStoreTransport()} if has_separate_rollout(config) and not evaluation else {}
+    )
+    specs = {"actor_rollout_ref": (ActorRolloutRefWorker, (config.actor_rollout_ref, policy_role), policy_options)}
     if use_critic(config) and not evaluation:
         specs["critic"] = (CriticWorker, (config.critic,), on_device)
     if config.reward_model.enable:
@@ -57,19 +69,37 @@ def role_specs(config: DictConfig, evaluation: bool = False) -> dict:
     return specs
 
 
-def resource_pool(config: DictConfig) -> ResourcePool:
-    """``nnodes`` x ``n_gpus_per_node`` bundles; without ``cpus_per_worker``, the smallest node's CPUs shared out
-    evenly (torch then uses that many threads in each worker)."""
-    trainer = config.trainer
-    cpus = trainer.cpus_per_worker
+def resource_pool(config: DictConfig, section: str = "trainer") -> ResourcePool:
+    """``nnodes`` x ``n_gpus_per_node`` bundles of the ``trainer`` (or, with a rollout of its own, the ``rollout``)
+    section; without its ``cpus_per_worker``, the smallest node's CPUs shared out evenly between both pools' workers
+    on a node (torch then uses that many threads in each worker)."""
+    pool = config[section]
+    cpus = pool.cpus_per_worker
     if cpus is None:
-        cpus = max(1, int(smallest_node_cpus() // trainer.n_gpus_per_node))
+        per_node = config.trainer.n_gpus_per_node + config.rollout.n_gpus_per_node
+        cpus = max(1, int(smallest_node_cpus() // per_node))
     return ResourcePool(
-        "global_pool",
-        [trainer.n_gpus_per_node] * trainer.nnodes,
+        "global_pool" if section == "trainer" else "rollout_pool",
+        [pool.n_gpus_per_node] * pool.nnodes,
         accelerator="GPU" if worker_device(config) == "cuda" else None,
         cpus_per_worker=cpus,
     )
+
+
+def build_rollout_workers(config: DictConfig, namespace: str) -> WorkerGroup:
+    """The rollout's own workers (role ``rollout`` only, weights from the actor through Ray's object store), its
+    model loaded; whatever an earlier run of the namespace left ends first."""
+    WorkerGroup.kill_named(ROLLOUT_PREFIX, namespace)
+    options = {"device": worker_device(config), "weight_transport": ObjectStoreTransport()}
+    specs = {"actor_rollout_ref": (ActorRolloutRefWorker, (config.actor_rollout_ref, "rollout"), options)}
+    timeout = config.trainer.worker_timeout_s
+    group = WorkerGroup.create(resource_pool(config, "rollout"), specs, ROLLOUT_PREFIX, namespace, timeout)
+    try:
+        group.role("actor_rollout_ref").init_model(timeout_s=timeout, stage="init rollout")
+    except BaseException:
+        group.kill()
+        raise
+    return group
 
 
 def build_workers(
@@ -234,5 +264,6 @@ def namespace_of_run(run_id: str, client: Any = None, groups: list[WorkerGroupIn
 
 
 def kill_worker_group(namespace: str) -> int:
-    """End the worker group in ``namespace`` and free its placement groups; returns how many workers were killed."""
-    return WorkerGroup.kill_named(PREFIX, namespace)
+    """End the worker groups in ``namespace`` (the trainer's and a rollout's own) and free their placement groups;
+    returns how many workers were killed."""
+    return WorkerGroup.kill_named(PREFIX, namespace) + WorkerGroup.kill_named(ROLLOUT_PREFIX, namespace)

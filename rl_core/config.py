@@ -421,6 +421,23 @@ class TrainerConfig:
 
 
 @dataclass
+class RolloutPoolConfig:
+    """verl's recipes' ``rollout`` section: the rollout on workers of its own (rl_core/separate_rollout.py)."""
+
+    nnodes: int = 1
+    n_gpus_per_node: int = 0  # rollout workers per node (one per GPU); 0 = on the trainer's workers (colocated)
+    cpus_per_worker: int | None = None  # null = a node's CPUs shared out evenly between both pools' workers
+
+
+@dataclass
+class AsyncTrainingConfig:
+    # sync: generate, then train | one_step_off: the next step's generation overlaps this step's training (verl's
+    # one_step_off_policy; needs rollout.n_gpus_per_node > 0; samples one policy version old: correct them with
+    # algorithm.rollout_correction)
+    mode: str = "sync"
+
+
+@dataclass
 class PPOTrainerConfig:
     data: DataConfig = field(default_factory=DataConfig)
     actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
@@ -430,6 +447,8 @@ class PPOTrainerConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    rollout: RolloutPoolConfig = field(default_factory=RolloutPoolConfig)
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
 
 
 def default_config() -> DictConfig:
@@ -478,6 +497,7 @@ CHOICES = {
     "actor_rollout_ref.rollout.multi_turn.format": ("hermes", "tag"),
     "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side": ("left", "middle", "right"),
     "actor_rollout_ref.rollout.multi_turn.on_parse_error": ("feedback", "stop"),
+    "async_training.mode": ("sync", "one_step_off"),
 }
 POSITIVE = (
     "actor_rollout_ref.rollout.multi_turn.max_parallel_calls",
@@ -587,6 +607,33 @@ def check_rollout_correction(config: Any) -> None:
         )
 
 
+def check_separate_rollout(config: Any) -> None:
+    """A rollout of its own (``rollout.*``) and the one-step-off schedule: what they need and what is not built."""
+    pool, mode = config.rollout, config.async_training.mode
+    if pool.n_gpus_per_node < 0 or pool.nnodes < 1:
+        raise ConfigValueError(
+            f"rollout.nnodes={pool.nnodes}, rollout.n_gpus_per_node={pool.n_gpus_per_node}: nnodes >= 1 and "
+            "n_gpus_per_node >= 0 (0: the rollout on the trainer's workers)"
+        )
+    if pool.n_gpus_per_node == 0:
+        if mode != "sync":
+            raise ConfigValueError(
+                f"async_training.mode={mode} needs a rollout of its own: set rollout.n_gpus_per_node (e.g. 1), the "
+                "rollout's workers beside the trainer's"
+            )
+        return
+    if pool.nnodes * pool.n_gpus_per_node != 1:
+        raise ConfigValueError(
+            f"rollout.nnodes={pool.nnodes} x rollout.n_gpus_per_node={pool.n_gpus_per_node}: one rollout worker is "
+            "built so far (it generates the whole batch); set both to 1"
+        )
+    if mode == "one_step_off" and config.algorithm.filter_groups.enable:
+        raise ConfigValueError(
+            "async_training.mode=one_step_off with algorithm.filter_groups.enable=true: dynamic sampling generates "
+            "until enough groups differ, which the one-step-off schedule cannot launch ahead; use mode=sync"
+        )
+
+
 def check_config(config: Any) -> None:
     """Refuse values that the types allow but the run cannot use, naming the key and the fix (the algorithm names:
     :func:`check_algorithm_names`)."""
@@ -649,6 +696,7 @@ def check_config(config: Any) -> None:
             "algorithm.use_kl_in_reward (it needs the old log-probs before the advantage)"
         )
     check_rollout_correction(config)
+    check_separate_rollout(config)
     rollout = config.actor_rollout_ref.rollout
     if not 0 < rollout.gpu_memory_utilization <= 1:
         raise ConfigValueError(

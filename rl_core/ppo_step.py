@@ -94,6 +94,7 @@ class StepWorkers:
     critic: Any | None = None
     reward_model: Any | None = None
     world_size: int = 1
+    separate_rollout: Any | None = None  # rl_core.separate_rollout.SeparateRollout: generation on workers of its own
 
 
 def run_directly(name: str, fn: Callable, *args: Any) -> Any:
@@ -107,6 +108,14 @@ def _for_workers(batch: Batch, *inputs: Batch) -> Batch:
     for extra in inputs:
         tensors.update(extra.tensors)
     return Batch(tensors, meta_info=batch.meta_info)
+
+
+def step_prompts(data: RLDataset, indices: list[int], step: int, generation_batch: int) -> Batch:
+    """The prompts of a step's generation batch: their uids name the step and batch, and the batch seeds the sampling
+    (a re-run step draws the same samples)."""
+    prompts = data.collate(indices, uid_prefix=f"{step}-{generation_batch}-")
+    prompts.meta_info[GLOBAL_STEP] = step * 1000 + generation_batch
+    return prompts
 
 
 # ---------------------------------------------------------------------------------------------- the stages
@@ -124,6 +133,14 @@ def generate(workers: StepWorkers, prompts: Batch, n: int, baseline_reward: Rewa
     scored, _ = reward(workers, baseline_reward, greedy)
     sequences.tensors[REWARD_BASELINES] = scored.tensors[TOKEN_LEVEL_SCORES].sum(-1).repeat_interleave(n)
     return sequences
+
+
+def generation_on(config: Any, reward_manager: RewardManager) -> Callable[[Any, Batch], Batch]:
+    """Stage 1 as a rollout of its own runs it (:class:`rl_core.separate_rollout.SeparateRollout`): ``fn(rollout,
+    prompts)``."""
+    n = int(config.actor_rollout_ref.rollout.n)
+    baseline_reward = reward_manager if config.algorithm.adv_estimator == "remax" else None
+    return lambda rollout, prompts: generate(StepWorkers(actor=rollout), prompts, n, baseline_reward)
 
 
 def reward(workers: StepWorkers, reward_manager: RewardManager, batch: Batch) -> tuple[Batch, Metrics]:
@@ -265,11 +282,15 @@ def run_ppo_step(
     kept: list[Batch] = []
     generation_batches = 0
     while True:
-        prompts = data.collate(sampler.next_batch(), uid_prefix=f"{step}-{generation_batches}-")
-        # seeds sampling: a re-run step draws the same
-        prompts.meta_info[GLOBAL_STEP] = step * 1000 + generation_batches
+        prompts = step_prompts(data, sampler.next_batch(), step, generation_batches)
         generation_batches += 1
-        batch = stage("generate", generate, workers, prompts, n, baseline_reward)
+        if workers.separate_rollout is None:
+            batch = stage("generate", generate, workers, prompts, n, baseline_reward)
+        else:  # on the rollout's own workers; one_step_off: launch the next step's generation now
+            batch = stage("generate", workers.separate_rollout.take, prompts)
+            if step < (config.trainer.total_training_steps or 0):
+                upcoming = workers.separate_rollout.upcoming(sampler)
+                workers.separate_rollout.launch(step_prompts(data, upcoming, step + 1, 0))
         batch.union(stage("reward", reward, workers, reward_manager, batch))
         if not filter_groups.enable:
             kept = [batch]

@@ -58,9 +58,22 @@ from rl_core.models.logprob import response_log_probs
 from rl_core.models.lora import adapter_disabled, apply_lora, uses_lora
 from rl_core.models.optim import build_lr_scheduler, build_optimizer
 from rl_core.rollout import build_rollout_engine
-from rl_core.workers.data_parallel import global_sum
+from rl_core.weight_sync import (
+    InProcessTransport,
+    WeightsUpdate,
+    WeightTransport,
+    load_tensors,
+    trained_tensors,
+)
+from rl_core.workers.data_parallel import global_sum, world_size
 from rl_core.workers.dispatch import DP_COMPUTE, ONE_TO_ALL, dispatch
-from rl_core.workers.fsdp import full_parameters, optimizer_state_on_device, shard_module
+from rl_core.workers.fsdp import (
+    full_model_state_dict,
+    full_parameters,
+    is_rank_zero,
+    optimizer_state_on_device,
+    shard_module,
+)
 from rl_core.workers.micro_batches import in_micro_batches, micro_batch_limits
 from rl_core.workers.train_loop import local_mini_batch_size, run_updates
 from rl_core.workers.trainable_state import load_model_weights, load_trainable, save_trainable
@@ -110,7 +123,13 @@ def reads_global_batch_info(loss_fn: Callable, actor_config: Any) -> bool:
 
 
 class ActorRolloutRefWorker:
-    def __init__(self, config: Any, role: str = "actor_rollout_ref", device: str = "cpu"):
+    def __init__(
+        self,
+        config: Any,
+        role: str = "actor_rollout_ref",
+        device: str = "cpu",
+        weight_transport: WeightTransport | None = None,
+    ):
         parts = set(role.split("_"))
         if not parts or not parts <= set(ROLES):
             raise ValueError(f"role={role!r}: combine {ROLES} with '_' (e.g. actor_rollout_ref)")
@@ -126,6 +145,8 @@ class ActorRolloutRefWorker:
         self.ref_module: torch.nn.Module | None = None
         self.steps_trained = 0  # updates done
         self.updates_started = 0  # updates begun: more than steps_trained while (or after a failure in) an update
+        self.weight_transport: WeightTransport = weight_transport or InProcessTransport()
+        self.loaded_version = 0  # a rollout of its own: the actor's version whose weights it holds
 
     # ------------------------------------------------------------------ set-up
     @dispatch(ONE_TO_ALL)
@@ -334,6 +355,33 @@ class ActorRolloutRefWorker:
         self.lr_scheduler.step()
         self.steps_trained += 1
         return metrics
+
+    # ------------------------------------------------------------------ weights for a rollout of its own
+    @dispatch(ONE_TO_ALL)
+    def weights_version(self) -> int:
+        """The actor's updates done; a rollout-only worker: the actor's version whose weights it holds."""
+        return self.steps_trained if self.is_actor else self.loaded_version
+
+    @dispatch(ONE_TO_ALL)
+    def export_weights(self) -> WeightsUpdate | None:
+        """The trained tensors through the weight transport, with the version (every rank gathers a sharded model,
+        rank 0 sends: :mod:`rl_core.weight_sync`)."""
+        self._require(self.is_actor, "export_weights", "actor")
+        names = [name for name, _ in trained_tensors(self.module)]
+        if world_size() > 1:
+            state = full_model_state_dict(self.module)
+            tensors = ((name, state[name]) for name in names)
+        else:
+            tensors = trained_tensors(self.module)
+        return WeightsUpdate(self.steps_trained, self.weight_transport.send(tensors)) if is_rank_zero() else None
+
+    @dispatch(ONE_TO_ALL)
+    def receive_weights(self, update: WeightsUpdate) -> int:
+        """A rollout-only worker takes the actor's exported weights and version; returns how many tensors moved."""
+        self._require(self.is_rollout and not self.is_actor, "receive_weights", "rollout (without the actor)")
+        count = load_tensors(self.module, self.weight_transport.receive(update.handle))
+        self.loaded_version = update.version
+        return count
 
     # ------------------------------------------------------------------ checkpoints
     @dispatch(ONE_TO_ALL)

@@ -411,3 +411,45 @@ def test_multi_turn_rollouts_with_a_tool_train_and_resume_in_the_flow(run_overri
     assert "tool/calls_per_sample" in compared and "actor/pg_loss" in compared
     for key in compared:  # the first part's last step also validated (step 1): that is not in the straight run
         assert {step: resumed[key].get(step) for step in history[key]} == history[key], key
+
+
+def test_one_step_off_on_a_rollout_of_its_own_survives_the_rollouts_death(run_overrides, tmp_path):
+    """The rollout on a worker of its own, one step off: each step after the first trains on samples one version old
+    (training/staleness_max); the rollout's worker killed after step 1 is rebuilt with the trainer's group from the
+    latest checkpoint and the run finishes with every step once; no worker of either group is left."""
+    overrides = run_overrides(
+        "trainer.total_training_steps=4",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        "rollout.n_gpus_per_node=1",
+        "async_training.mode=one_step_off",
+        "actor_rollout_ref.rollout.calculate_log_probs=true",
+        "algorithm.rollout_correction.rollout_is=token",
+    )
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    killed = []
+
+    def kill_the_rollout_after_step_one():
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not killed:
+            for experiment in client.search_experiments():
+                for run in client.search_runs([experiment.experiment_id]):
+                    if run.data.metrics.get("training/global_step", 0) >= 1:
+                        namespace = run.data.tags[WORKERS_NAMESPACE_TAG]
+                        ray.kill(ray.get_actor("rollout-rank0", namespace=namespace), no_restart=True)
+                        killed.append(namespace)
+                        return
+            time.sleep(0.2)
+
+    killer = threading.Thread(target=kill_the_rollout_after_step_one, daemon=True)
+    killer.start()
+    result = train(overrides=overrides)
+    killer.join(timeout=5)
+    assert killed, "the rollout's worker was never killed"
+    history = metric_history(result["tracking_uri"], result["run_id"])
+    assert {step: len(values) for step, values in history["actor/pg_loss"].items()} == {1: 1, 2: 1, 3: 1, 4: 1}
+    assert history["training/staleness_max"][1] == [0.0] and history["training/staleness_max"][4] == [1.0]
+    assert "rollout_corr/rollout_is_mean" in history
+    assert MlflowClient(result["tracking_uri"]).get_run(result["run_id"]).data.tags["ppoflow.worker_restarts"] == "1"
+    left = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == killed[0]]
+    assert left == []

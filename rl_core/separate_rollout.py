@@ -1,0 +1,95 @@
+"""Generation on a rollout of its own (separate resource pools), synchronous or one step off the policy.
+
+With ``rollout.n_gpus_per_node > 0`` the step's generation runs on the rollout's workers, which hold a copy of the
+policy synced from the actor (:mod:`rl_core.weight_sync`) whenever it is behind. Two schedules
+(``async_training.mode``):
+
+* ``sync``: each step syncs the weights, then generates its prompts: the same samples as the colocated run.
+* ``one_step_off`` (verl's one_step_off_policy recipe): step k takes the generation of its prompts that step k-1
+  launched, syncs the weights (the actor has done k-1 updates), and launches step k+1's generation before its own
+  stages run, so generation overlaps training. Step k's samples come from the policy after k-2 updates: one version
+  behind the actor that trains on them (the first step generates its own). Step k+1's prompts are read from a copy of
+  the sampler, so a checkpoint after step k holds the sampler as of step k: a resumed run draws step k+1's prompts
+  again and generates them anew (the generation in flight is lost; no prompt is skipped or trained twice).
+
+Every response carries the version of the weights that produced it (``rollout_version``); ``training/staleness_*``
+is the actor's version at the update minus it. Correct for it with ``algorithm.rollout_correction``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rl_core.batch import Batch
+from rl_core.batch_fields import ROLLOUT_VERSION, UID
+from rl_core.weight_sync import sync_rollout_weights
+
+SCHEDULES = ("sync", "one_step_off")
+
+
+@dataclass
+class Pending:
+    """A generation in flight: its prompts' ids and the weights' version it runs with."""
+
+    uids: list[str]
+    version: int
+    future: Future
+
+
+class SeparateRollout:
+    """The step's generation on the rollout's workers (see the module docstring). ``generate(rollout, prompts)`` is
+    the step's generation stage called on the rollout role; it runs in a thread of its own for one_step_off."""
+
+    def __init__(self, actor: Any, rollout: Any, schedule: str, generate: Callable[[Any, Batch], Batch]):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"async_training.mode={schedule!r}: choose one of {', '.join(SCHEDULES)}")
+        self.actor, self.rollout, self.schedule, self.generate = actor, rollout, schedule, generate
+        self.pending: Pending | None = None
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ppoflow-rollout")
+        self.weights_synced = 0
+
+    def _synced_version(self) -> int:
+        if sync_rollout_weights(self.actor, self.rollout):
+            self.weights_synced += 1
+        return self.rollout.weights_version()
+
+    def take(self, prompts: Batch) -> tuple[Batch, dict[str, float]]:
+        """The generation of ``prompts``: the one launched for them, else made now with synced weights; tagged with
+        its version, and the staleness metrics."""
+        uids = list(prompts.non_tensors[UID])
+        pending, self.pending = self.pending, None
+        if pending is not None and pending.uids == uids:
+            batch, version = pending.future.result(), pending.version
+        else:
+            if pending is not None:  # launched for other prompts (cannot happen within a run): not trained on
+                pending.future.cancel()
+            version = self._synced_version()
+            batch = self.generate(self.rollout, prompts)
+        batch.tensors[ROLLOUT_VERSION] = torch.full((len(batch),), version, dtype=torch.long)
+        staleness = self.actor.weights_version() - version
+        return batch, {"training/staleness_mean": float(staleness), "training/staleness_max": float(staleness)}
+
+    def launch(self, prompts: Batch) -> None:
+        """one_step_off: start generating ``prompts`` (the next step's) now, with the actor's current weights."""
+        if self.schedule != "one_step_off":
+            return
+        version = self._synced_version()
+        future = self.executor.submit(self.generate, self.rollout, prompts)
+        self.pending = Pending(list(prompts.non_tensors[UID]), version, future)
+
+    def upcoming(self, sampler: Any) -> list[int]:
+        """The prompt indices the sampler gives next, without moving it."""
+        return copy.deepcopy(sampler).next_batch()
+
+    def close(self) -> None:
+        """Drop a generation in flight (the run ended or failed) and the thread."""
+        if self.pending is not None:
+            self.pending.future.cancel()
+            self.pending = None
+        self.executor.shutdown(wait=False, cancel_futures=True)

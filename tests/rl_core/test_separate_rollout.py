@@ -1,0 +1,54 @@
+"""A rollout of its own, in one process: weights synced from the actor only when behind, the sync schedule, and
+one-step-off (each step's samples one version behind, every prompt trained once, in order)."""
+
+import pytest
+import torch
+
+from rl_core.ppo_step import StepWorkers, generation_on, run_ppo_step
+from rl_core.separate_rollout import SeparateRollout
+from rl_core.weight_sync import sync_rollout_weights
+from rl_core.workers import ActorRolloutRefWorker
+from tests.rl_core.test_workers import build_workers, fixed_batch, step_inputs
+
+
+def rollout_worker(config):
+    rollout = ActorRolloutRefWorker(config.actor_rollout_ref, role="rollout")
+    rollout.init_model()
+    return rollout
+
+
+def test_weights_move_to_the_rollout_only_when_it_is_behind(tmp_path, config):
+    actor, _ = build_workers(config, with_critic=False)
+    rollout = rollout_worker(config)
+    assert not sync_rollout_weights(actor, rollout)  # both at version 0: the same checkpoint
+    actor.update_actor(fixed_batch(actor, tmp_path, config))
+    assert (actor.weights_version(), rollout.weights_version()) == (1, 0)
+    assert sync_rollout_weights(actor, rollout) and rollout.weights_version() == 1
+    trained = dict(actor.module.named_parameters())
+    for name, parameter in rollout.module.named_parameters():
+        assert torch.equal(parameter, trained[name]), name
+    assert not sync_rollout_weights(actor, rollout)
+    with pytest.raises(RuntimeError, match="receive_weights needs the 'rollout \\(without the actor\\)' role"):
+        actor.receive_weights(actor.export_weights())
+
+
+@pytest.mark.parametrize("schedule,staleness", [("sync", [0, 0, 0]), ("one_step_off", [0, 1, 1])])
+def test_a_separate_rollout_trains_every_prompt_once_in_order(tmp_path, config, schedule, staleness):
+    config.trainer.total_training_steps = 3
+    actor, _ = build_workers(config, with_critic=False)
+    data, sampler, reward, kl = step_inputs(tmp_path, actor, config, count=12)
+    separate = SeparateRollout(actor, rollout_worker(config), schedule, generation_on(config, reward))
+    workers = StepWorkers(actor, separate_rollout=separate)
+    expected_order = [sampler.next_batch() for _ in range(3)]
+    sampler.load_state_dict(type(sampler)(len(data), config.data.train_batch_size, shuffle=False).state_dict())
+    try:
+        for step in (1, 2, 3):
+            batch, metrics = run_ppo_step(config, workers, data, sampler, reward, kl, step)
+            uids = sorted(set(batch.non_tensors["uid"]))
+            assert uids == sorted(f"{step}-0-{i}" for i in expected_order[step - 1])
+            assert metrics["training/staleness_max"] == staleness[step - 1]
+            assert (batch.tensors["rollout_version"] == step - 1 - staleness[step - 1]).all()
+            assert actor.weights_version() == step
+    finally:
+        separate.close()
+    assert separate.pending is None  # the last step launched nothing
