@@ -56,7 +56,9 @@ def role_specs(config: DictConfig, evaluation: bool = False) -> dict:
     """Roles of the run's workers; an ``evaluation`` needs only the policy (and the reward model). With a rollout of
     its own the actor exports its weights through Ray's object store (the trainer's workers keep their rollout role:
     validation generates there)."""
-    policy_role = "actor_rollout_ref" if use_reference(config) and not evaluation else "actor_rollout"
+    # with a rollout of its own the reference policy runs there, right after generation, off the trainer's path
+    with_ref = use_reference(config) and not evaluation and not has_separate_rollout(config)
+    policy_role = "actor_rollout_ref" if with_ref else "actor_rollout"
     on_device = {"device": worker_device(config)}
     policy_options = on_device | (
         {"weight_transport": ObjectStoreTransport()} if has_separate_rollout(config) and not evaluation else {}
@@ -87,11 +89,13 @@ def resource_pool(config: DictConfig, section: str = "trainer") -> ResourcePool:
 
 
 def build_rollout_workers(config: DictConfig, namespace: str) -> WorkerGroup:
-    """The rollout's own workers (role ``rollout`` only, weights from the actor through Ray's object store), its
-    model loaded; whatever an earlier run of the namespace left ends first."""
+    """The rollout's own workers (role ``rollout``, and ``ref`` when the run has a reference policy: its log-probs
+    are computed there after generation; weights from the actor through Ray's object store), the models loaded;
+    whatever an earlier run of the namespace left ends first."""
     WorkerGroup.kill_named(ROLLOUT_PREFIX, namespace)
     options = {"device": worker_device(config), "weight_transport": ObjectStoreTransport()}
-    specs = {"actor_rollout_ref": (ActorRolloutRefWorker, (config.actor_rollout_ref, "rollout"), options)}
+    role = "rollout_ref" if use_reference(config) else "rollout"
+    specs = {"actor_rollout_ref": (ActorRolloutRefWorker, (config.actor_rollout_ref, role), options)}
     timeout = config.trainer.worker_timeout_s
     group = WorkerGroup.create(resource_pool(config, "rollout"), specs, ROLLOUT_PREFIX, namespace, timeout)
     try:

@@ -137,10 +137,17 @@ def generate(workers: StepWorkers, prompts: Batch, n: int, baseline_reward: Rewa
 
 def generation_on(config: Any, reward_manager: RewardManager) -> Callable[[Any, Batch], Batch]:
     """Stage 1 as a rollout of its own runs it (:class:`rl_core.separate_rollout.SeparateRollout`): ``fn(rollout,
-    prompts)``."""
+    prompts)``; with a reference policy, stage 4 follows there (the rollout's workers hold it, the trainer's not)."""
     n = int(config.actor_rollout_ref.rollout.n)
     baseline_reward = reward_manager if config.algorithm.adv_estimator == "remax" else None
-    return lambda rollout, prompts: generate(StepWorkers(actor=rollout), prompts, n, baseline_reward)
+    with_ref = use_reference(config)
+
+    def generate_on(rollout: Any, prompts: Batch) -> Batch:
+        workers = StepWorkers(actor=rollout)
+        batch = generate(workers, prompts, n, baseline_reward)
+        return batch.union(ref_log_prob(workers, batch)) if with_ref else batch
+
+    return generate_on
 
 
 def reward(workers: StepWorkers, reward_manager: RewardManager, batch: Batch) -> tuple[Batch, Metrics]:
@@ -316,7 +323,10 @@ def run_ppo_step(
     old = stage("old_log_prob", old_log_prob, workers, batch) if recomputes_old_log_prob(config) else None
     if config.algorithm.rollout_correction.bypass_mode:
         batch.meta_info[ROLLOUT_CORRECTION] = RolloutCorrection.from_config(config.algorithm.rollout_correction)
-    ref = stage("ref_log_prob", ref_log_prob, workers, batch) if use_reference(config) else None
+    if REF_LOG_PROB in batch.tensors:  # a rollout of its own computed them after generating
+        ref = batch.select([REF_LOG_PROB])
+    else:
+        ref = stage("ref_log_prob", ref_log_prob, workers, batch) if use_reference(config) else None
     value = stage("values", values, workers, batch) if use_critic(config) else None
 
     # Stage 6: advantage (and rollout correction: a mask without the rejected tokens replaces the batch's)

@@ -28,7 +28,7 @@ import torch
 
 from rl_core.batch import Batch
 from rl_core.batch_fields import ROLLOUT_VERSION, UID
-from rl_core.weight_sync import sync_rollout_weights
+from rl_core.weight_sync import WeightsUpdate, sync_rollout_weights
 
 SCHEDULES = ("sync", "one_step_off")
 
@@ -53,11 +53,19 @@ class SeparateRollout:
         self.pending: Pending | None = None
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ppoflow-rollout")
         self.weights_synced = 0
+        self.rollout_version = rollout.weights_version()  # the version it holds, or will once its pending work runs
+        self.actor_version = 0
 
     def _synced_version(self) -> int:
         if sync_rollout_weights(self.actor, self.rollout):
             self.weights_synced += 1
         return self.rollout.weights_version()
+
+    def _receive_and_generate(self, update: WeightsUpdate | None, prompts: Batch) -> Batch:
+        if update is not None:
+            self.rollout.receive_weights(update)
+            self.weights_synced += 1
+        return self.generate(self.rollout, prompts)
 
     def take(self, prompts: Batch) -> tuple[Batch, dict[str, float]]:
         """The generation of ``prompts``: the one launched for them, else made now with synced weights; tagged with
@@ -69,18 +77,23 @@ class SeparateRollout:
         else:
             if pending is not None:  # launched for other prompts (cannot happen within a run): not trained on
                 pending.future.cancel()
-            version = self._synced_version()
+            version = self.rollout_version = self._synced_version()
             batch = self.generate(self.rollout, prompts)
         batch.tensors[ROLLOUT_VERSION] = torch.full((len(batch),), version, dtype=torch.long)
-        staleness = self.actor.weights_version() - version
+        self.actor_version = self.actor.weights_version()  # what trains on the batch (launch() reuses it)
+        staleness = self.actor_version - version
         return batch, {"training/staleness_mean": float(staleness), "training/staleness_max": float(staleness)}
 
     def launch(self, prompts: Batch) -> None:
         """one_step_off: start generating ``prompts`` (the next step's) now, with the actor's current weights."""
         if self.schedule != "one_step_off":
             return
-        version = self._synced_version()
-        future = self.executor.submit(self.generate, self.rollout, prompts)
+        # the actor's weights are exported now (before its next update changes them); the rollout takes them in the
+        # background thread, before it generates
+        version = self.actor_version  # take() just asked; no update since
+        update = self.actor.export_weights() if version > self.rollout_version else None
+        self.rollout_version = version
+        future = self.executor.submit(self._receive_and_generate, update, prompts)
         self.pending = Pending(list(prompts.non_tensors[UID]), version, future)
 
     def upcoming(self, sampler: Any) -> list[int]:

@@ -12,7 +12,7 @@ from tests.rl_core.test_workers import build_workers, fixed_batch, step_inputs
 
 
 def rollout_worker(config):
-    rollout = ActorRolloutRefWorker(config.actor_rollout_ref, role="rollout")
+    rollout = ActorRolloutRefWorker(config.actor_rollout_ref, role="rollout_ref")
     rollout.init_model()
     return rollout
 

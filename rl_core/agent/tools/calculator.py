@@ -7,6 +7,7 @@ most ``max_exponent`` (64) in magnitude, results of at most ``max_result`` (1e30
 from __future__ import annotations
 
 import ast
+import asyncio
 import operator
 from typing import Any
 
@@ -72,9 +73,14 @@ def show(number: int | float) -> str:
 
 
 class CalculatorTool(BaseTool):
+    """Config: ``max_length``, ``max_exponent``, ``max_result`` (see :func:`evaluate`), and ``latency_s``: the answer
+    comes that many seconds later, as from a remote service (what bench/async_rl.py's tool workload uses)."""
+
     async def execute(
         self, instance_id: str, parameters: dict[str, Any], **kwargs: Any
     ) -> tuple[ToolResponse, float, dict[str, Any]]:
+        if self.config.get("latency_s"):
+            await asyncio.sleep(float(self.config["latency_s"]))
         expression = parameters.get("expression")
         if not isinstance(expression, str):
             raise ToolError("calculator takes {'expression': '<arithmetic>'}")

@@ -1,0 +1,129 @@
+"""Asynchronous RL against the synchronous run: trained samples per second and validation accuracy after the same
+number of samples, runs alternated in one sitting.
+
+    python bench/async_rl.py [--workload demo|tool|both] [--steps 100] [--repeats 3]
+
+Each run is ``ppoflow train`` on the embedded demo (``demo``: addition, a 64-wide model) or the tool demo (``tool``:
+multiplication through the calculator, its answers delayed by ``--tool-latency`` seconds like a remote service), in a
+folder of its own, with validation after the last step only; repeat r uses the shuffling and sampling seeds r+1 and
+r in both modes (the accuracy after a few steps is the seed's as much as the mode's):
+
+* ``sync``: the colocated default, generation and training on one worker with every CPU;
+* ``one_step_off``: the rollout on a worker of its own (``rollout.n_gpus_per_node=1``), the node's CPUs shared between
+  it and the trainer's worker, the next step's generation overlapping this step's training, verl's recipe settings
+  (the rollout's log-probs as the old ones: ``algorithm.rollout_correction.bypass_mode=true``).
+
+On a GPU machine the same command runs each pool on its own GPU (``trainer.n_gpus_per_node=1`` stays; the rollout takes
+another). Prints a table per workload (medians over the repeats) and, last, one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKLOADS = {
+    "demo": [],
+    "tool": ["data.synthetic.task=calc", "actor_rollout_ref.rollout.multi_turn.max_concurrent_tools=64"],
+}
+MODES = {
+    "sync": [],
+    "one_step_off": [
+        "rollout.n_gpus_per_node=1",
+        "async_training.mode=one_step_off",
+        "actor_rollout_ref.rollout.calculate_log_probs=true",
+        "algorithm.rollout_correction.bypass_mode=true",
+    ],
+}
+
+
+def tool_config(folder: Path, latency_s: float) -> Path:
+    """The calculator's tool YAML with its answers delayed by ``latency_s``."""
+    text = (ROOT / "configs" / "tools" / "calculator.yaml").read_text()
+    path = folder / "slow_calculator.yaml"
+    path.write_text(text.replace("config: {type: native}", f"config: {{type: native, latency_s: {latency_s}}}"))
+    return path
+
+
+def run(folder: Path, overrides: list[str]) -> dict[str, float]:
+    """One ``ppoflow train``: the median step time and generation wait (steps after the first 5), the final greedy
+    validation accuracy."""
+    folder.mkdir(parents=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "train", *overrides, f"trainer.default_local_dir={folder}/checkpoints"]
+        + [f"trainer.tracking_uri=sqlite:///{folder}/mlflow.db", "trainer.save_freq=-1"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    if result.returncode != 0:
+        raise SystemExit(f"{overrides}: exit {result.returncode}\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
+    db = sqlite3.connect(folder / "mlflow.db")
+
+    def history(key: str) -> list[float]:
+        return [v for (v,) in db.execute("select value from metrics where key = ? order by step", (key,))]
+
+    val_key = next(k for (k,) in db.execute("select distinct key from metrics") if k.endswith("/acc/mean_at_1"))
+    step_s = statistics.median(history("perf/time_per_step")[5:])
+    gen_wait_s = statistics.median(history("timing_s/gen")[5:])
+    return {"step_s": step_s, "val_accuracy": history(val_key)[-1], "gen_wait_s": gen_wait_s}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", choices=[*WORKLOADS, "both"], default="both")
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tool-latency", type=float, default=0.1, help="seconds per calculator call (tool workload)")
+    args = parser.parse_args()
+    from flows.config import compose_config
+
+    workloads = list(WORKLOADS) if args.workload == "both" else [args.workload]
+    summary: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="ppoflow-async-bench-") as tmp:
+        for workload in workloads:
+            overrides = [*WORKLOADS[workload], f"trainer.total_training_steps={args.steps}"]
+            overrides += [f"trainer.test_freq={args.steps}", "trainer.val_before_train=false"]
+            if workload == "tool":
+                overrides.append(
+                    f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tool_config(Path(tmp), args.tool_latency)}"
+                )
+            config = compose_config(overrides)
+            samples = config.data.train_batch_size * config.actor_rollout_ref.rollout.n
+            results: dict[str, list[dict]] = {mode: [] for mode in MODES}
+            for repeat in range(args.repeats):  # alternated: the machine's drift falls on both
+                seeds = [f"data.seed={repeat + 1}", f"actor_rollout_ref.rollout.seed={repeat}"]  # one per repeat
+                for mode, extra in MODES.items():
+                    results[mode].append(run(Path(tmp) / f"{workload}-{mode}-{repeat}", overrides + seeds + extra))
+                    print(f"{workload} {mode} #{repeat + 1}: {results[mode][-1]}", flush=True)
+            rows = {
+                mode: {
+                    "step_s": round(statistics.median(r["step_s"] for r in runs), 4),
+                    "samples_per_s": round(samples / statistics.median(r["step_s"] for r in runs), 1),
+                    "gen_wait_s": round(statistics.median(r["gen_wait_s"] for r in runs), 4),
+                    "val_accuracy": round(statistics.median(r["val_accuracy"] for r in runs), 3),
+                }
+                for mode, runs in results.items()
+            }
+            speedup = rows["one_step_off"]["samples_per_s"] / rows["sync"]["samples_per_s"]
+            summary[workload] = {"samples_per_step": samples, **rows, "speedup": round(speedup, 2)}
+            print(f"\n{workload}: {args.steps} steps of {samples} samples, {args.repeats} repeats (medians)")
+            print(f"{'mode':14} {'step (s)':>9} {'samples/s':>10} {'gen wait (s)':>13} {'val accuracy':>13}")
+            for mode, row in rows.items():
+                print(
+                    f"{mode:14} {row['step_s']:9.3f} {row['samples_per_s']:10.1f} {row['gen_wait_s']:13.3f} "
+                    f"{row['val_accuracy']:13.3f}"
+                )
+            print(f"one_step_off / sync: {speedup:.2f}x samples per second\n")
+    print(json.dumps({"steps": args.steps, "repeats": args.repeats, "workloads": summary}))
+
+
+if __name__ == "__main__":
+    main()
