@@ -40,7 +40,7 @@ from flows.resume import (
     finished_result,
     workers_config_digest,
 )
-from flows.stages import StageRunner, flush_reported_runs, run_phase
+from flows.stages import BackgroundRun, StageRunner, flush_reported_runs, run_phase
 from flows.step_report import console_line, samples_table, validation_summary
 from flows.tracking import PREFECT_FLOW_RUN_TAG, PREFECT_UI_TAG, RunTracker, mark_killed, tracking_uri
 from flows.workers import (
@@ -245,6 +245,7 @@ class TrainingSession:
                 self.rollout_group.role("actor_rollout_ref", self.timeout),
                 self.config.async_training.mode,
                 generation_on(self.config, self.inputs.reward_manager),
+                track=BackgroundRun,
             )
 
     def _drop_rollout_group(self) -> None:

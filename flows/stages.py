@@ -232,6 +232,32 @@ def call_reported(
         return result, run
 
 
+class BackgroundRun:
+    """A task run for work beside the flow's thread (a one-step-off generation on the rollout's own workers): Running
+    from its start, then Completed or Failed when the flow takes its result, Cancelled when it is dropped. Made in the
+    flow's thread; outside a flow run it reports nothing."""
+
+    TASK = "rollout_generate"
+
+    def __init__(self, run_name: str):
+        self.run = None
+        flow_run_context = FlowRunContext.get()
+        if flow_run_context is not None and flow_run_context.flow_run is not None:
+            self.run = ReportedRun(self.TASK, run_name, 0, {}, contextvars.copy_context())
+            start_reporter()
+            REPORTER.report(self.run, "Running")
+
+    def done(self, error: BaseException | None = None, dropped: bool = False) -> None:
+        if self.run is None:
+            return
+        if dropped:
+            REPORTER.report(self.run, "Cancelled", "dropped before it was trained on")
+        elif error is not None:
+            REPORTER.report(self.run, "Failed", failure_message(error))
+        else:
+            REPORTER.report(self.run, "Completed")
+
+
 class StageRunner:
     """``runner(name, fn, *args)`` calls the stage function ``fn``, reported as a task run of the task ``name`` named
     ``step-<step>/<name>`` after the runner's current :attr:`step`, its inputs linked to the earlier stages of the

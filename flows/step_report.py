@@ -38,6 +38,8 @@ def console_line(step: int, total: int, metrics: dict[str, float], seconds: floa
         f"{metrics.get('actor/entropy', 0):.3f} | response_len {metrics.get('response_length/mean', 0):.1f} | "
         f"{seconds:.1f}s"
     )
+    if "training/staleness_max" in metrics:  # a rollout of its own: how many versions behind the samples were
+        line += f" | staleness {metrics['training/staleness_max']:.0f}"
     val = validation_summary(metrics)
     return line + (" | val " + val if val else "")
 

@@ -297,7 +297,7 @@ def run_ppo_step(
             batch = stage("generate", workers.separate_rollout.take, prompts)
             if step < (config.trainer.total_training_steps or 0):
                 upcoming = workers.separate_rollout.upcoming(sampler)
-                workers.separate_rollout.launch(step_prompts(data, upcoming, step + 1, 0))
+                workers.separate_rollout.launch(step_prompts(data, upcoming, step + 1, 0), step + 1)
         batch.union(stage("reward", reward, workers, reward_manager, batch))
         if not filter_groups.enable:
             kept = [batch]

@@ -35,21 +35,36 @@ SCHEDULES = ("sync", "one_step_off")
 
 @dataclass
 class Pending:
-    """A generation in flight: its prompts' ids and the weights' version it runs with."""
+    """A generation in flight: its prompts' ids, the weights' version it runs with, its tracker (or None)."""
 
     uids: list[str]
     version: int
     future: Future
+    tracker: Any = None
+
+    def finish(self, error: BaseException | None = None, dropped: bool = False) -> None:
+        if self.tracker is not None:
+            self.tracker.done(error, dropped)
 
 
 class SeparateRollout:
     """The step's generation on the rollout's workers (see the module docstring). ``generate(rollout, prompts)`` is
     the step's generation stage called on the rollout role; it runs in a thread of its own for one_step_off."""
 
-    def __init__(self, actor: Any, rollout: Any, schedule: str, generate: Callable[[Any, Batch], Batch]):
+    def __init__(
+        self,
+        actor: Any,
+        rollout: Any,
+        schedule: str,
+        generate: Callable[[Any, Batch], Batch],
+        track: Callable[[str], Any] | None = None,
+    ):
+        """``track(name)``, when given, is called as a one-step-off generation starts and returns an object whose
+        ``done(error, dropped)`` is called when its result is taken or dropped: the flow reports it as a task run."""
         if schedule not in SCHEDULES:
             raise ValueError(f"async_training.mode={schedule!r}: choose one of {', '.join(SCHEDULES)}")
         self.actor, self.rollout, self.schedule, self.generate = actor, rollout, schedule, generate
+        self.track = track
         self.pending: Pending | None = None
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ppoflow-rollout")
         self.weights_synced = 0
@@ -73,10 +88,16 @@ class SeparateRollout:
         uids = list(prompts.non_tensors[UID])
         pending, self.pending = self.pending, None
         if pending is not None and pending.uids == uids:
-            batch, version = pending.future.result(), pending.version
+            try:
+                batch, version = pending.future.result(), pending.version
+            except BaseException as error:
+                pending.finish(error)
+                raise
+            pending.finish()
         else:
             if pending is not None:  # launched for other prompts (cannot happen within a run): not trained on
                 pending.future.cancel()
+                pending.finish(dropped=True)
             version = self.rollout_version = self._synced_version()
             batch = self.generate(self.rollout, prompts)
         batch.tensors[ROLLOUT_VERSION] = torch.full((len(batch),), version, dtype=torch.long)
@@ -84,8 +105,8 @@ class SeparateRollout:
         staleness = self.actor_version - version
         return batch, {"training/staleness_mean": float(staleness), "training/staleness_max": float(staleness)}
 
-    def launch(self, prompts: Batch) -> None:
-        """one_step_off: start generating ``prompts`` (the next step's) now, with the actor's current weights."""
+    def launch(self, prompts: Batch, step: int) -> None:
+        """one_step_off: start generating ``prompts`` (step ``step``'s) now, with the actor's current weights."""
         if self.schedule != "one_step_off":
             return
         # the actor's weights are exported now (before its next update changes them); the rollout takes them in the
@@ -93,8 +114,9 @@ class SeparateRollout:
         version = self.actor_version  # take() just asked; no update since
         update = self.actor.export_weights() if version > self.rollout_version else None
         self.rollout_version = version
+        tracker = self.track(f"rollout-{step}/generate (policy v{version})") if self.track else None
         future = self.executor.submit(self._receive_and_generate, update, prompts)
-        self.pending = Pending(list(prompts.non_tensors[UID]), version, future)
+        self.pending = Pending(list(prompts.non_tensors[UID]), version, future, tracker)
 
     def upcoming(self, sampler: Any) -> list[int]:
         """The prompt indices the sampler gives next, without moving it."""
@@ -104,5 +126,6 @@ class SeparateRollout:
         """Drop a generation in flight (the run ended or failed) and the thread."""
         if self.pending is not None:
             self.pending.future.cancel()
+            self.pending.finish(dropped=True)
             self.pending = None
         self.executor.shutdown(wait=False, cancel_futures=True)

@@ -453,3 +453,7 @@ def test_one_step_off_on_a_rollout_of_its_own_survives_the_rollouts_death(run_ov
     assert MlflowClient(result["tracking_uri"]).get_run(result["run_id"]).data.tags["ppoflow.worker_restarts"] == "1"
     left = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == killed[0]]
     assert left == []
+    # both streams in the Prefect flow run: the steps' stages and the rollout's generations ahead, with their version
+    run = MlflowClient(result["tracking_uri"]).get_run(result["run_id"])
+    names = flow_run_task_names(run.data.tags["ppoflow.prefect_flow_run_id"], "rollout-4/generate (policy v2)")
+    assert {"step-4/generate", "step-4/update_actor", "rollout-4/generate (policy v2)"} <= names

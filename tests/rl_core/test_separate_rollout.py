@@ -52,3 +52,61 @@ def test_a_separate_rollout_trains_every_prompt_once_in_order(tmp_path, config, 
     finally:
         separate.close()
     assert separate.pending is None  # the last step launched nothing
+
+
+def test_a_resume_in_the_middle_of_one_step_off_trains_every_prompt_once(tmp_path, config):
+    """A checkpoint after step 2 holds the sampler as of step 2 although step 3's prompts were already generating;
+    a new controller (a new rollout, the sampler restored) draws them again: steps 1-4 train the sampler's first four
+    batches, once each."""
+    config.trainer.total_training_steps = 4
+    actor, _ = build_workers(config, with_critic=False)
+    data, sampler, reward, kl = step_inputs(tmp_path, actor, config, count=16)
+    fresh_state = sampler.state_dict()
+    expected = [sorted(f"{step}-0-{i}" for i in sampler.next_batch()) for step in (1, 2, 3, 4)]
+    sampler.load_state_dict(fresh_state)
+    trained = []
+
+    def steps(numbers, separate):
+        try:
+            for step in numbers:
+                batch, _ = run_ppo_step(
+                    config, StepWorkers(actor, separate_rollout=separate), data, sampler, reward, kl, step
+                )
+                trained.append(sorted(set(batch.non_tensors["uid"])))
+        finally:
+            separate.close()
+
+    steps((1, 2), SeparateRollout(actor, rollout_worker(config), "one_step_off", generation_on(config, reward)))
+    checkpoint = sampler.state_dict()  # what the step-2 checkpoint holds; step 3's generation was in flight
+    sampler.load_state_dict(checkpoint)
+    steps((3, 4), SeparateRollout(actor, rollout_worker(config), "one_step_off", generation_on(config, reward)))
+    assert trained == expected
+
+
+def test_the_sync_schedule_on_a_rollout_of_its_own_is_the_colocated_run(tmp_path, config):
+    """Staleness 0: the same samples, losses and metrics as generating on the trainer's own worker."""
+    config.trainer.total_training_steps = 2
+    runs = []
+    for separate in (False, True):
+        torch.manual_seed(0)
+        actor, _ = build_workers(config, with_critic=False)
+        data, sampler, reward, kl = step_inputs(tmp_path, actor, config)
+        rollout = (
+            SeparateRollout(actor, rollout_worker(config), "sync", generation_on(config, reward)) if separate else None
+        )
+        results = [
+            run_ppo_step(config, StepWorkers(actor, separate_rollout=rollout), data, sampler, reward, kl, s)
+            for s in (1, 2)
+        ]
+        if rollout is not None:
+            rollout.close()
+        runs.append(
+            [
+                {k: v for k, v in m.items() if not k.startswith(("timing_s/", "perf/", "training/staleness"))}
+                | {"responses": batch.tensors["responses"].tolist()}
+                for batch, m in results
+            ]
+        )
+    colocated, separate = runs
+    assert colocated[1]["actor/entropy"] > 0 and colocated[1]["response_length/mean"] > 0
+    assert separate == colocated
