@@ -13,12 +13,15 @@ policy synced from the actor (:mod:`rl_core.weight_sync`) whenever it is behind.
   again and generates them anew (the generation in flight is lost; no prompt is skipped or trained twice).
 
 Every response carries the version of the weights that produced it (``rollout_version``); ``training/staleness_*``
-is the actor's version at the update minus it. Correct for it with ``algorithm.rollout_correction``.
+is the actor's version at the update minus it. Correct for it with ``algorithm.rollout_correction``. The step's
+``timing_s/gen`` is then how long the trainer waited for its samples, ``timing_s/generate_ahead`` how long the
+rollout worked on them (taking the weights included).
 """
 
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -76,24 +79,28 @@ class SeparateRollout:
             self.weights_synced += 1
         return self.rollout.weights_version()
 
-    def _receive_and_generate(self, update: WeightsUpdate | None, prompts: Batch) -> Batch:
+    def _receive_and_generate(self, update: WeightsUpdate | None, prompts: Batch) -> tuple[Batch, float]:
+        """In the rollout's thread: take the weights, generate; with the seconds it took (the rollout busy)."""
+        started = time.perf_counter()
         if update is not None:
             self.rollout.receive_weights(update)
             self.weights_synced += 1
-        return self.generate(self.rollout, prompts)
+        return self.generate(self.rollout, prompts), time.perf_counter() - started
 
     def take(self, prompts: Batch) -> tuple[Batch, dict[str, float]]:
         """The generation of ``prompts``: the one launched for them, else made now with synced weights; tagged with
         its version, and the staleness metrics."""
         uids = list(prompts.non_tensors[UID])
         pending, self.pending = self.pending, None
+        metrics: dict[str, float] = {}
         if pending is not None and pending.uids == uids:
             try:
-                batch, version = pending.future.result(), pending.version
+                (batch, busy_s), version = pending.future.result(), pending.version
             except BaseException as error:
                 pending.finish(error)
                 raise
             pending.finish()
+            metrics["timing_s/generate_ahead"] = busy_s
         else:
             if pending is not None:  # launched for other prompts (cannot happen within a run): not trained on
                 pending.future.cancel()
@@ -103,7 +110,8 @@ class SeparateRollout:
         batch.tensors[ROLLOUT_VERSION] = torch.full((len(batch),), version, dtype=torch.long)
         self.actor_version = self.actor.weights_version()  # what trains on the batch (launch() reuses it)
         staleness = self.actor_version - version
-        return batch, {"training/staleness_mean": float(staleness), "training/staleness_max": float(staleness)}
+        metrics |= {"training/staleness_mean": float(staleness), "training/staleness_max": float(staleness)}
+        return batch, metrics
 
     def launch(self, prompts: Batch, step: int) -> None:
         """one_step_off: start generating ``prompts`` (step ``step``'s) now, with the actor's current weights."""

@@ -47,6 +47,8 @@ def test_a_separate_rollout_trains_every_prompt_once_in_order(tmp_path, config, 
             uids = sorted(set(batch.non_tensors["uid"]))
             assert uids == sorted(f"{step}-0-{i}" for i in expected_order[step - 1])
             assert metrics["training/staleness_max"] == staleness[step - 1]
+            # a generation launched ahead reports how long the rollout worked on it
+            assert ("timing_s/generate_ahead" in metrics) == (staleness[step - 1] > 0)
             assert (batch.tensors["rollout_version"] == step - 1 - staleness[step - 1]).all()
             assert actor.weights_version() == step
     finally:
