@@ -198,10 +198,11 @@ def test_resume_gives_the_same_run_as_training_straight(run_overrides, tmp_path)
     assert now.actor_rollout_ref.actor.optim.lr == lr
 
 
-def test_a_worker_killed_during_step_two_is_replaced(run_overrides, tmp_path):
-    overrides = run_overrides("trainer.total_training_steps=4", "trainer.val_before_train=false")
-    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
-    killed = []
+def train_killing_after_step_one(overrides: list[str], tracking_uri: str, actor_name: str) -> tuple[dict, list[str]]:
+    """``train(overrides)`` while a thread kills the run's Ray actor ``actor_name`` once step 1 is in MLflow; returns
+    the result and the killed actor's namespace (in a list: empty when it never was)."""
+    client = MlflowClient(tracking_uri)
+    killed: list[str] = []
 
     def kill_after_step_one():
         deadline = time.monotonic() + 300
@@ -209,11 +210,9 @@ def test_a_worker_killed_during_step_two_is_replaced(run_overrides, tmp_path):
             for experiment in client.search_experiments():
                 for run in client.search_runs([experiment.experiment_id]):
                     if run.data.metrics.get("training/global_step", 0) >= 1:
-                        ray.kill(
-                            ray.get_actor("workers-rank0", namespace=run.data.tags[WORKERS_NAMESPACE_TAG]),
-                            no_restart=True,
-                        )
-                        killed.append(run.info.run_id)
+                        namespace = run.data.tags[WORKERS_NAMESPACE_TAG]
+                        ray.kill(ray.get_actor(actor_name, namespace=namespace), no_restart=True)
+                        killed.append(namespace)
                         return
             time.sleep(0.2)
 
@@ -221,6 +220,12 @@ def test_a_worker_killed_during_step_two_is_replaced(run_overrides, tmp_path):
     killer.start()
     result = train(overrides=overrides)
     killer.join(timeout=5)
+    return result, killed
+
+
+def test_a_worker_killed_during_step_two_is_replaced(run_overrides, tmp_path):
+    overrides = run_overrides("trainer.total_training_steps=4", "trainer.val_before_train=false")
+    result, killed = train_killing_after_step_one(overrides, f"sqlite:///{tmp_path}/mlflow.db", "workers-rank0")
     assert killed, "the worker was never killed"
     history = metric_history(result["tracking_uri"], result["run_id"])
     assert {step: len(values) for step, values in history["actor/pg_loss"].items()} == {1: 1, 2: 1, 3: 1, 4: 1}
@@ -426,25 +431,7 @@ def test_one_step_off_on_a_rollout_of_its_own_survives_the_rollouts_death(run_ov
         "actor_rollout_ref.rollout.calculate_log_probs=true",
         "algorithm.rollout_correction.rollout_is=token",
     )
-    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
-    killed = []
-
-    def kill_the_rollout_after_step_one():
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and not killed:
-            for experiment in client.search_experiments():
-                for run in client.search_runs([experiment.experiment_id]):
-                    if run.data.metrics.get("training/global_step", 0) >= 1:
-                        namespace = run.data.tags[WORKERS_NAMESPACE_TAG]
-                        ray.kill(ray.get_actor("rollout-rank0", namespace=namespace), no_restart=True)
-                        killed.append(namespace)
-                        return
-            time.sleep(0.2)
-
-    killer = threading.Thread(target=kill_the_rollout_after_step_one, daemon=True)
-    killer.start()
-    result = train(overrides=overrides)
-    killer.join(timeout=5)
+    result, killed = train_killing_after_step_one(overrides, f"sqlite:///{tmp_path}/mlflow.db", "rollout-rank0")
     assert killed, "the rollout's worker was never killed"
     history = metric_history(result["tracking_uri"], result["run_id"])
     assert {step: len(values) for step, values in history["actor/pg_loss"].items()} == {1: 1, 2: 1, 3: 1, 4: 1}
