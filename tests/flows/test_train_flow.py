@@ -25,6 +25,7 @@ from rl_core.data.synthetic import calc_rows, calc_transcript
 from rl_core.models.folder import ModelLoadError
 from rl_core.models.loading import load_policy_model
 from rl_core.models.tiny import make_tiny_model
+from rl_core.separate_rollout import SeparateRollout
 from rl_core.sft import SFTExample, run_sft
 from rl_core.step_checkpoint import StepCheckpoints
 from tests.conftest import ROOT
@@ -198,11 +199,10 @@ def test_resume_gives_the_same_run_as_training_straight(run_overrides, tmp_path)
     assert now.actor_rollout_ref.actor.optim.lr == lr
 
 
-def train_killing_after_step_one(overrides: list[str], tracking_uri: str, actor_name: str) -> tuple[dict, list[str]]:
-    """``train(overrides)`` while a thread kills the run's Ray actor ``actor_name`` once step 1 is in MLflow; returns
-    the result and the killed actor's namespace (in a list: empty when it never was)."""
-    client = MlflowClient(tracking_uri)
-    killed: list[str] = []
+def test_a_worker_killed_during_step_two_is_replaced(run_overrides, tmp_path):
+    overrides = run_overrides("trainer.total_training_steps=4", "trainer.val_before_train=false")
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    killed = []
 
     def kill_after_step_one():
         deadline = time.monotonic() + 300
@@ -210,9 +210,11 @@ def train_killing_after_step_one(overrides: list[str], tracking_uri: str, actor_
             for experiment in client.search_experiments():
                 for run in client.search_runs([experiment.experiment_id]):
                     if run.data.metrics.get("training/global_step", 0) >= 1:
-                        namespace = run.data.tags[WORKERS_NAMESPACE_TAG]
-                        ray.kill(ray.get_actor(actor_name, namespace=namespace), no_restart=True)
-                        killed.append(namespace)
+                        ray.kill(
+                            ray.get_actor("workers-rank0", namespace=run.data.tags[WORKERS_NAMESPACE_TAG]),
+                            no_restart=True,
+                        )
+                        killed.append(run.info.run_id)
                         return
             time.sleep(0.2)
 
@@ -220,12 +222,6 @@ def train_killing_after_step_one(overrides: list[str], tracking_uri: str, actor_
     killer.start()
     result = train(overrides=overrides)
     killer.join(timeout=5)
-    return result, killed
-
-
-def test_a_worker_killed_during_step_two_is_replaced(run_overrides, tmp_path):
-    overrides = run_overrides("trainer.total_training_steps=4", "trainer.val_before_train=false")
-    result, killed = train_killing_after_step_one(overrides, f"sqlite:///{tmp_path}/mlflow.db", "workers-rank0")
     assert killed, "the worker was never killed"
     history = metric_history(result["tracking_uri"], result["run_id"])
     assert {step: len(values) for step, values in history["actor/pg_loss"].items()} == {1: 1, 2: 1, 3: 1, 4: 1}
@@ -418,10 +414,11 @@ def test_multi_turn_rollouts_with_a_tool_train_and_resume_in_the_flow(run_overri
         assert {step: resumed[key].get(step) for step in history[key]} == history[key], key
 
 
-def test_one_step_off_on_a_rollout_of_its_own_survives_the_rollouts_death(run_overrides, tmp_path):
+def test_one_step_off_on_a_rollout_of_its_own_survives_the_rollouts_death(run_overrides, monkeypatch):
     """The rollout on a worker of its own, one step off: each step after the first trains on samples one version old
-    (training/staleness_max); the rollout's worker killed after step 1 is rebuilt with the trainer's group from the
-    latest checkpoint and the run finishes with every step once; no worker of either group is left."""
+    (training/staleness_max); the rollout's worker, killed as step 3's generation is launched on it, is rebuilt with
+    the trainer's group from the latest checkpoint and the run finishes with every step once; no worker of either
+    group is left."""
     overrides = run_overrides(
         "trainer.total_training_steps=4",
         "trainer.val_before_train=false",
@@ -431,7 +428,18 @@ def test_one_step_off_on_a_rollout_of_its_own_survives_the_rollouts_death(run_ov
         "actor_rollout_ref.rollout.calculate_log_probs=true",
         "algorithm.rollout_correction.rollout_is=token",
     )
-    result, killed = train_killing_after_step_one(overrides, f"sqlite:///{tmp_path}/mlflow.db", "rollout-rank0")
+    killed: list[str] = []
+    launch = SeparateRollout.launch
+
+    def launch_on_a_killed_rollout(self, prompts, step):  # the flow runs in this process: a known moment
+        if step == 3 and not killed:
+            group = self.rollout._group
+            ray.kill(group.actors[0], no_restart=True)
+            killed.append(group.namespace)
+        launch(self, prompts, step)
+
+    monkeypatch.setattr(SeparateRollout, "launch", launch_on_a_killed_rollout)
+    result = train(overrides=overrides)
     assert killed, "the rollout's worker was never killed"
     history = metric_history(result["tracking_uri"], result["run_id"])
     assert {step: len(values) for step, values in history["actor/pg_loss"].items()} == {1: 1, 2: 1, 3: 1, 4: 1}
