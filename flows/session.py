@@ -44,6 +44,7 @@ from flows.stages import BackgroundRun, StageRunner, flush_reported_runs, run_ph
 from flows.step_report import console_line, samples_table, validation_summary
 from flows.tracking import PREFECT_FLOW_RUN_TAG, PREFECT_UI_TAG, RunTracker, mark_killed, tracking_uri
 from flows.workers import (
+    ROLLOUT_PREFIX,
     RUN_LABEL,
     WORKERS_NAMESPACE_TAG,
     build_fresh_workers,
@@ -272,21 +273,35 @@ class TrainingSession:
     @contextmanager
     def step(self, step: int) -> Iterator[None]:
         """Step ``step`` runs inside: timed, and a dead or hung worker rebuilds the worker group and rewinds to the
-        latest checkpoint (the loop then runs the steps after it again)."""
+        latest checkpoint (the loop then runs the steps after it again); a dead rollout of its own is rebuilt alone
+        and the step runs again."""
         self.view.step_started(step)
         self.run_stage.step = step  # names the step's task runs
         self.step_started = time.perf_counter()
+        at_start = self.progress.state()
         try:
             yield
         except (WorkerDiedError, WorkerTimeoutError) as error:
             if self.restarts >= self.config.trainer.max_worker_restarts:
                 raise
             self.restarts += 1
+            self.tracker.set_tags({"ppoflow.worker_restarts": self.restarts})
+            if getattr(error, "worker", "").startswith(f"{ROLLOUT_PREFIX}-"):
+                # a rollout of its own is only called as a step starts (its samples, the next step's launch): the
+                # trainer's weights and the step's progress are untouched, so only the rollout is rebuilt and the
+                # step runs again from its start
+                self.view.log(
+                    f"{error} -> rebuilding the rollout's own worker, the trainer goes on; step {step} again "
+                    f"(restart {self.restarts}/{self.config.trainer.max_worker_restarts})"
+                )
+                self._drop_rollout_group()
+                self._use_group()
+                self.progress.load_state(at_start)
+                return
             self.view.log(
                 f"{error} -> rebuilding the worker group "
                 f"(restart {self.restarts}/{self.config.trainer.max_worker_restarts})"
             )
-            self.tracker.set_tags({"ppoflow.worker_restarts": self.restarts})
             self._drop_rollout_group()
             self.group.kill()
             self._build_group()
@@ -351,6 +366,9 @@ class TrainingSession:
                 "training/epoch": float(self.progress.sampler.epoch),
             }
         )
+        if "timing_s/generate_ahead" in metrics:  # one step off: how much of the step each side waited
+            metrics["perf/trainer_idle_fraction"] = min(1.0, metrics["timing_s/gen"] / seconds)
+            metrics["perf/rollout_idle_fraction"] = max(0.0, 1.0 - metrics["timing_s/generate_ahead"] / seconds)
         self.progress.global_step = step
         if self.tracker.log_step(step, metrics) and every(step, trainer.log_samples_freq, total):
             samples = samples_table(batch, self.inputs.tokenizer, trainer.num_logged_samples)

@@ -416,9 +416,9 @@ def test_multi_turn_rollouts_with_a_tool_train_and_resume_in_the_flow(run_overri
 
 def test_one_step_off_on_a_rollout_of_its_own_survives_the_rollouts_death(run_overrides, monkeypatch):
     """The rollout on a worker of its own, one step off: each step after the first trains on samples one version old
-    (training/staleness_max); the rollout's worker, killed as step 3's generation is launched on it, is rebuilt with
-    the trainer's group from the latest checkpoint and the run finishes with every step once; no worker of either
-    group is left."""
+    (training/staleness_max); the rollout's worker, killed as step 3's generation is launched on it, is rebuilt alone
+    (the trainer's workers go on: the same processes) and step 3 runs again, its samples generated then (staleness
+    0); the run finishes with every step once; no worker of either group is left."""
     overrides = run_overrides(
         "trainer.total_training_steps=4",
         "trainer.val_before_train=false",
@@ -429,11 +429,13 @@ def test_one_step_off_on_a_rollout_of_its_own_survives_the_rollouts_death(run_ov
         "algorithm.rollout_correction.rollout_is=token",
     )
     killed: list[str] = []
+    trainer_pids: list[str] = []
     launch = SeparateRollout.launch
 
     def launch_on_a_killed_rollout(self, prompts, step):  # the flow runs in this process: a known moment
         if step == 3 and not killed:
             group = self.rollout._group
+            trainer_pids.append(",".join(str(r["pid"]) for r in self.actor._group.health()))
             ray.kill(group.actors[0], no_restart=True)
             killed.append(group.namespace)
         launch(self, prompts, step)
@@ -443,9 +445,17 @@ def test_one_step_off_on_a_rollout_of_its_own_survives_the_rollouts_death(run_ov
     assert killed, "the rollout's worker was never killed"
     history = metric_history(result["tracking_uri"], result["run_id"])
     assert {step: len(values) for step, values in history["actor/pg_loss"].items()} == {1: 1, 2: 1, 3: 1, 4: 1}
-    assert history["training/staleness_max"][1] == [0.0] and history["training/staleness_max"][4] == [1.0]
+    assert {step: values for step, values in history["training/staleness_max"].items()} == {
+        1: [0.0],
+        2: [1.0],
+        3: [0.0],
+        4: [1.0],
+    }
     assert "rollout_corr/rollout_is_mean" in history
-    assert MlflowClient(result["tracking_uri"]).get_run(result["run_id"]).data.tags["ppoflow.worker_restarts"] == "1"
+    assert all(0 <= v[0] <= 1 for v in history["perf/trainer_idle_fraction"].values())
+    assert sorted(history["perf/rollout_idle_fraction"]) == [2, 4]  # the steps that took a generation ahead
+    tags = MlflowClient(result["tracking_uri"]).get_run(result["run_id"]).data.tags
+    assert tags["ppoflow.worker_restarts"] == "1" and tags["ppoflow.worker_pids"] == trainer_pids[0]
     left = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == killed[0]]
     assert left == []
     # both streams in the Prefect flow run: the steps' stages and the rollout's generations ahead, with their version
