@@ -580,33 +580,6 @@ def check_token_budgets(config: Any) -> None:
             )
 
 
-def check_rollout_correction(config: Any) -> None:
-    """``algorithm.rollout_correction``'s values, and what its modes need: the rollout's log-probs, and in the
-    decoupled mode the recomputed old log-probs."""
-    from rl_core.correction_settings import RolloutCorrection, RolloutCorrectionError
-
-    key = "algorithm.rollout_correction"
-    try:
-        settings = RolloutCorrection.from_config(config.algorithm.rollout_correction)
-    except RolloutCorrectionError as error:
-        raise ConfigValueError(str(error)) from None
-    if (settings.corrects or settings.bypass_mode) and not config.actor_rollout_ref.rollout.calculate_log_probs:
-        raise ConfigValueError(
-            f"{key} needs the rollout's own log-probs: set actor_rollout_ref.rollout.calculate_log_probs=true"
-        )
-    if settings.corrects and not settings.bypass_mode and not config.actor_rollout_ref.actor.recompute_old_log_prob:
-        raise ConfigValueError(
-            f"{key} in the decoupled mode weighs the samples by pi_old / pi_rollout, and "
-            "actor_rollout_ref.actor.recompute_old_log_prob=false computes no pi_old: set it to true, or "
-            f"{key}.bypass_mode=true (the rollout's log-probs as the old ones)"
-        )
-    if settings.bypass_mode and config.algorithm.use_kl_in_reward:
-        raise ConfigValueError(
-            f"{key}.bypass_mode=true with algorithm.use_kl_in_reward=true: the KL penalty needs the recomputed old "
-            "log-probs that the bypass mode skips; use actor_rollout_ref.actor.use_kl_loss instead"
-        )
-
-
 def check_separate_rollout(config: Any) -> None:
     """A rollout of its own (``rollout.*``) and the one-step-off schedule: what they need and what is not built."""
     pool, mode = config.rollout, config.async_training.mode
@@ -695,6 +668,8 @@ def check_config(config: Any) -> None:
             "data.train_batch_size (one update of the policy the responses came from) and no "
             "algorithm.use_kl_in_reward (it needs the old log-probs before the advantage)"
         )
+    from rl_core.correction_settings import check_rollout_correction
+
     check_rollout_correction(config)
     check_separate_rollout(config)
     rollout = config.actor_rollout_ref.rollout

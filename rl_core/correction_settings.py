@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from rl_core.config import ConfigValueError
 from rl_core.config_access import config_get
 
 IS_LEVELS = ("token", "sequence")
@@ -111,3 +112,28 @@ def parse_rs_thresholds(options: list[str], spec: Any) -> dict[str, tuple[float 
         else:
             thresholds[option] = (None, upper)
     return thresholds
+
+
+def check_rollout_correction(config: Any) -> None:
+    """``algorithm.rollout_correction``'s values, and what its modes need: the rollout's log-probs, and in the
+    decoupled mode the recomputed old log-probs."""
+    key = "algorithm.rollout_correction"
+    try:
+        settings = RolloutCorrection.from_config(config.algorithm.rollout_correction)
+    except RolloutCorrectionError as error:
+        raise ConfigValueError(str(error)) from None
+    if (settings.corrects or settings.bypass_mode) and not config.actor_rollout_ref.rollout.calculate_log_probs:
+        raise ConfigValueError(
+            f"{key} needs the rollout's own log-probs: set actor_rollout_ref.rollout.calculate_log_probs=true"
+        )
+    if settings.corrects and not settings.bypass_mode and not config.actor_rollout_ref.actor.recompute_old_log_prob:
+        raise ConfigValueError(
+            f"{key} in the decoupled mode weighs the samples by pi_old / pi_rollout, and "
+            "actor_rollout_ref.actor.recompute_old_log_prob=false computes no pi_old: set it to true, or "
+            f"{key}.bypass_mode=true (the rollout's log-probs as the old ones)"
+        )
+    if settings.bypass_mode and config.algorithm.use_kl_in_reward:
+        raise ConfigValueError(
+            f"{key}.bypass_mode=true with algorithm.use_kl_in_reward=true: the KL penalty needs the recomputed old "
+            "log-probs that the bypass mode skips; use actor_rollout_ref.actor.use_kl_loss instead"
+        )

@@ -122,6 +122,47 @@ def reads_global_batch_info(loss_fn: Callable, actor_config: Any) -> bool:
     return config.read_global_batch_info
 
 
+def micro_policy_loss(
+    micro: Batch, log_prob: torch.Tensor, loss_fn: Callable, config: Any, loss_agg_mode: str, bypass: Any
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """A micro-batch's policy loss and metrics. Against its old log-probs (recomputed; or ``log_prob`` detached when
+    the step skipped that pass: one epoch, one mini-batch), weighed by rollout correction's importance weights when
+    the batch has them (decoupled mode). In the bypass mode (``bypass``: the RolloutCorrection settings) against the
+    rollout's log-probs, the weights and the rejection computed here from pi_theta (the rejection drops tokens from
+    this loss only, as verl): ``ppo_clip``, the configured loss without weights (its ratio pi_theta / pi_rollout is
+    the correction), or ``reinforce``, REINFORCE weighted."""
+    mask, advantages = micro.tensors[RESPONSE_MASK], micro.tensors[ADVANTAGES]
+    if bypass is None:
+        old_log_prob = micro.tensors[OLD_LOG_PROBS] if OLD_LOG_PROBS in micro.tensors else log_prob.detach()
+        weights = micro.tensors.get(ROLLOUT_IS_WEIGHTS)
+        return loss_fn(
+            old_log_prob=old_log_prob,
+            log_prob=log_prob,
+            advantages=advantages,
+            response_mask=mask,
+            loss_agg_mode=loss_agg_mode,
+            config=config,
+            rollout_is_weights=weights,
+        )
+    rollout_log_prob = micro.tensors[ROLLOUT_LOG_PROBS]
+    weights, kept, correction_metrics = rollout_correction(log_prob.detach(), rollout_log_prob, mask, bypass)
+    if bypass.loss_type == "reinforce":
+        pg_loss, metrics = compute_policy_loss_reinforce(
+            rollout_log_prob, log_prob, advantages, kept, loss_agg_mode, config, weights
+        )
+    else:
+        pg_loss, metrics = loss_fn(
+            old_log_prob=rollout_log_prob,
+            log_prob=log_prob,
+            advantages=advantages,
+            response_mask=kept,
+            loss_agg_mode=loss_agg_mode,
+            config=config,
+            rollout_is_weights=None,
+        )
+    return pg_loss, metrics | correction_metrics
+
+
 class ActorRolloutRefWorker:
     def __init__(
         self,
@@ -253,8 +294,7 @@ class ActorRolloutRefWorker:
         with ``use_kl_loss``); then one LR-scheduler step. Without ``recompute_old_log_prob`` the old log-probs are
         this update's own log-probs, detached (one epoch, one mini-batch: the same numbers), and the entropy metric
         that ``compute_log_prob`` reports comes from here. On a GPU it also reports ``perf/mfu/actor`` (the update's
-        model
-        FLOPs over its time and the GPU's peak) and the step's peak CUDA memory."""
+        model FLOPs over its time and the GPU's peak) and the step's peak CUDA memory."""
         self._require(self.is_actor, "update_actor", "actor")
         self.updates_started += 1
         actor = self.actor_config
@@ -264,7 +304,6 @@ class ActorRolloutRefWorker:
         entropy_coeff = float(actor.entropy_coeff)
         use_kl_loss = bool(actor.use_kl_loss)
         bypass = batch.meta_info.get(ROLLOUT_CORRECTION)  # the rollout's log-probs are the old ones
-        reuse_log_prob = OLD_LOG_PROBS not in batch.tensors and bypass is None
         temperature = batch.meta_info.get(TEMPERATURE, 1.0)
         entropy_sums = torch.zeros(2, dtype=torch.float64)  # (sum of entropy over valid tokens, valid tokens)
         started = time.perf_counter()
@@ -277,33 +316,9 @@ class ActorRolloutRefWorker:
             )
             if no_old_pass:  # the entropy metric that compute_log_prob would have reported
                 entropy_sums.add_(torch.stack([(entropy.detach() * mask).sum(), mask.sum()]).double().cpu())
-            weights, correction_metrics = micro.tensors.get(ROLLOUT_IS_WEIGHTS), {}
-            if bypass is not None:  # pi_theta against the rollout's policy, weights and rejection per micro-batch
-                old_log_prob = micro.tensors[ROLLOUT_LOG_PROBS]
-                weights, mask, correction_metrics = rollout_correction(log_prob.detach(), old_log_prob, mask, bypass)
-            else:
-                old_log_prob = log_prob.detach() if reuse_log_prob else micro.tensors[OLD_LOG_PROBS]
-            if bypass is not None and bypass.loss_type == "reinforce":
-                pg_loss, metrics = compute_policy_loss_reinforce(
-                    old_log_prob,
-                    log_prob,
-                    micro.tensors[ADVANTAGES],
-                    mask,
-                    loss_agg_mode,
-                    LossConfig(actor, info),
-                    weights,
-                )
-            else:  # in the bypass mode's ppo_clip the PPO ratio pi_theta / pi_rollout is the correction: no weights
-                pg_loss, metrics = loss_fn(
-                    old_log_prob=old_log_prob,
-                    log_prob=log_prob,
-                    advantages=micro.tensors[ADVANTAGES],
-                    response_mask=mask,
-                    loss_agg_mode=loss_agg_mode,
-                    config=LossConfig(actor, info),
-                    rollout_is_weights=None if bypass is not None else weights,
-                )
-            metrics |= correction_metrics
+            pg_loss, metrics = micro_policy_loss(
+                micro, log_prob, loss_fn, LossConfig(actor, info), loss_agg_mode, bypass
+            )
             if not self.loss_is_global:  # a micro-batch mean: weigh it by the micro-batch's share of the mini-batch
                 pg_loss = pg_loss * share
             metrics = {**metrics, "actor/pg_loss": pg_loss.item()}
