@@ -62,6 +62,7 @@ from rl_core.batch import Batch
 from rl_core.batch_fields import ATTENTION_MASK
 from rl_core.data.sampler import ResumableSampler
 from rl_core.ppo_step import StepWorkers, generation_on, retry_safe_stages, run_ppo_step, run_validation
+from rl_core.rollout_schedule import GenerationWindow
 from rl_core.separate_rollout import SeparateRollout
 from rl_core.step_checkpoint import CheckpointError, FolderLock, StepCheckpoints
 
@@ -114,7 +115,7 @@ class TrainingSession:
         self.timeout = config.trainer.worker_timeout_s
         self.run_stage = StageRunner(config.trainer.stage_retries, retry_safe_stages(config))
         self.group: WorkerGroup | None = None
-        self.rollout_group: WorkerGroup | None = None  # a rollout of its own (rollout.n_gpus_per_node > 0)
+        self.rollout_groups: list[WorkerGroup] = []  # a rollout of its own (rollout.n_gpus_per_node > 0)
         self.workers: StepWorkers | None = None
         self.tracker: RunTracker | None = None
         self.finished_result: dict[str, Any] | None = None  # set when the run had finished already
@@ -237,31 +238,32 @@ class TrainingSession:
         self.tracker.set_tags({"ppoflow.worker_pids": ",".join(str(r["pid"]) for r in self.group.health(self.timeout))})
         self.workers = step_workers(self.group, self.timeout, self.config.reward.timeout_s)
         if has_separate_rollout(self.config):  # a rollout of its own: its group beside the trainer's
-            if self.rollout_group is None:
+            if not self.rollout_groups:
                 started = time.perf_counter()
-                self.rollout_group = build_rollout_workers(self.config, self.group.namespace)
-                self.view.log(f"set-up: the rollout's own worker {time.perf_counter() - started:.1f} s")
+                self.rollout_groups = build_rollout_workers(self.config, self.group.namespace)
+                count = len(self.rollout_groups)
+                self.view.log(f"set-up: the rollout's own {count} worker(s) {time.perf_counter() - started:.1f} s")
             self.workers.separate_rollout = SeparateRollout(
                 self.workers.actor,
-                self.rollout_group.role("actor_rollout_ref", self.timeout),
-                self.config.async_training.mode,
+                [group.role("actor_rollout_ref", self.timeout) for group in self.rollout_groups],
+                GenerationWindow.from_config(self.config.async_training),
                 generation_on(self.config, self.inputs.reward_manager),
                 track=BackgroundRun,
             )
 
-    def _drop_rollout_group(self) -> None:
+    def _drop_rollout_groups(self) -> None:
         """End a rollout of its own: the generation in flight, then its workers."""
         if self.workers is not None and self.workers.separate_rollout is not None:
             self.workers.separate_rollout.close()
-        if self.rollout_group is not None:
-            self.rollout_group.kill()
-            self.rollout_group = None
+        for group in self.rollout_groups:
+            group.kill()
+        self.rollout_groups = []
 
     def __exit__(self, kind: type | None, error: BaseException | None, traceback: Any) -> None:
         try:
             if error is not None and self.tracker is not None:
                 self.tracker.fail(error, killed=told_to_stop(error))
-            self._drop_rollout_group()
+            self._drop_rollout_groups()
             if self.group is not None and (error is None or not keeps_workers_on_failure(self.config, error)):
                 self.group.kill()
             flush_reported_runs()  # the step's task runs reach Prefect before its flow run ends
@@ -294,7 +296,7 @@ class TrainingSession:
                     f"{error} -> rebuilding the rollout's own worker, the trainer goes on; step {step} again "
                     f"(restart {self.restarts}/{self.config.trainer.max_worker_restarts})"
                 )
-                self._drop_rollout_group()
+                self._drop_rollout_groups()
                 self._use_group()
                 self.progress.load_state(at_start)
                 return
@@ -302,7 +304,7 @@ class TrainingSession:
                 f"{error} -> rebuilding the worker group "
                 f"(restart {self.restarts}/{self.config.trainer.max_worker_restarts})"
             )
-            self._drop_rollout_group()
+            self._drop_rollout_groups()
             self.group.kill()
             self._build_group()
             self._use_group()
@@ -366,9 +368,10 @@ class TrainingSession:
                 "training/epoch": float(self.progress.sampler.epoch),
             }
         )
-        if "timing_s/generate_ahead" in metrics:  # one step off: how much of the step each side waited
+        if "timing_s/generate_ahead" in metrics:  # a rollout of its own: how much of the step each side waited
+            capacity = seconds * len(self.rollout_groups)  # the rollout workers' seconds during the step
             metrics["perf/trainer_idle_fraction"] = min(1.0, metrics["timing_s/gen"] / seconds)
-            metrics["perf/rollout_idle_fraction"] = max(0.0, 1.0 - metrics["timing_s/generate_ahead"] / seconds)
+            metrics["perf/rollout_idle_fraction"] = max(0.0, 1.0 - metrics["timing_s/generate_ahead"] / capacity)
         self.progress.global_step = step
         if self.tracker.log_step(step, metrics) and every(step, trainer.log_samples_freq, total):
             samples = samples_table(batch, self.inputs.tokenizer, trainer.num_logged_samples)

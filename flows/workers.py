@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 import ray
 from omegaconf import DictConfig
 
-from infra.resource_pool import ResourcePool, smallest_node_cpus
+from infra.resource_pool import ResourcePool, remove_placement_groups, smallest_node_cpus
 from infra.weight_transport import ObjectStoreTransport
 from infra.worker_group import WorkerGroup, placement_group_prefix
 from rl_core.config import use_critic, use_reference
@@ -74,12 +75,12 @@ def role_specs(config: DictConfig, evaluation: bool = False) -> dict:
 def resource_pool(config: DictConfig, section: str = "trainer") -> ResourcePool:
     """``nnodes`` x ``n_gpus_per_node`` bundles of the ``trainer`` (or, with a rollout of its own, the ``rollout``)
     section; without its ``cpus_per_worker``, the smallest node's CPUs shared out evenly between both pools' workers
-    on a node (torch then uses that many threads in each worker)."""
+    on a node, whole CPUs when there are enough (torch then uses that many threads in each worker)."""
     pool = config[section]
     cpus = pool.cpus_per_worker
     if cpus is None:
-        per_node = config.trainer.n_gpus_per_node + config.rollout.n_gpus_per_node
-        cpus = max(1, int(smallest_node_cpus() // per_node))
+        share = smallest_node_cpus() / (config.trainer.n_gpus_per_node + config.rollout.n_gpus_per_node)
+        cpus = int(share) if share >= 1 else share  # fewer CPUs than workers: a fraction each (one torch thread)
     return ResourcePool(
         "global_pool" if section == "trainer" else "rollout_pool",
         [pool.n_gpus_per_node] * pool.nnodes,
@@ -88,22 +89,51 @@ def resource_pool(config: DictConfig, section: str = "trainer") -> ResourcePool:
     )
 
 
-def build_rollout_workers(config: DictConfig, namespace: str) -> WorkerGroup:
-    """The rollout's own workers (role ``rollout``, and ``ref`` when the run has a reference policy: its log-probs
-    are computed there after generation; weights from the actor through Ray's object store), the models loaded;
-    whatever an earlier run of the namespace left ends first."""
-    WorkerGroup.kill_named(ROLLOUT_PREFIX, namespace)
+def build_rollout_workers(config: DictConfig, namespace: str) -> list[WorkerGroup]:
+    """The rollout's own workers, one group of one worker per replica of the policy (``rollout.nnodes x
+    rollout.n_gpus_per_node``; role ``rollout``, and ``ref`` when the run has a reference policy: its log-probs are
+    computed there after generation; weights from the actor through Ray's object store), built side by side with
+    their models loaded; whatever an earlier run of the namespace left ends first."""
+    kill_rollout_workers(namespace)
+    pool = resource_pool(config, "rollout")
     options = {"device": worker_device(config), "weight_transport": ObjectStoreTransport()}
     role = "rollout_ref" if use_reference(config) else "rollout"
     specs = {"actor_rollout_ref": (ActorRolloutRefWorker, (config.actor_rollout_ref, role), options)}
     timeout = config.trainer.worker_timeout_s
-    group = WorkerGroup.create(resource_pool(config, "rollout"), specs, ROLLOUT_PREFIX, namespace, timeout)
-    try:
-        group.role("actor_rollout_ref").init_model(timeout_s=timeout, stage="init rollout")
-    except BaseException:
-        group.kill()
-        raise
-    return group
+
+    def build(replica: int) -> WorkerGroup:
+        replica_pool = ResourcePool(f"{pool.name}{replica}", [1], pool.accelerator, pool.cpus_per_worker)
+        group = WorkerGroup.create(replica_pool, specs, f"{ROLLOUT_PREFIX}-{replica}", namespace, timeout)
+        try:
+            group.role("actor_rollout_ref").init_model(timeout_s=timeout, stage="init rollout")
+        except BaseException:
+            group.kill()
+            raise
+        return group
+
+    with ThreadPoolExecutor(max_workers=pool.world_size) as threads:
+        futures = [threads.submit(build, replica) for replica in range(pool.world_size)]
+        wait(futures)
+    failed = [future.exception() for future in futures if future.exception() is not None]
+    if failed:
+        for future in futures:
+            if future.exception() is None:
+                future.result().kill()
+        raise failed[0]
+    return [future.result() for future in futures]
+
+
+def kill_rollout_workers(namespace: str) -> int:
+    """End every rollout worker the namespace holds (replicas ``rollout-0``, ``rollout-1``, ...) and free their
+    placement groups, a dead worker's included; returns how many workers were killed."""
+    prefixes = {
+        actor["name"].rsplit("-rank", 1)[0]
+        for actor in ray.util.list_named_actors(all_namespaces=True)
+        if actor["namespace"] == namespace and actor["name"].startswith(f"{ROLLOUT_PREFIX}-")
+    }
+    killed = sum(WorkerGroup.kill_named(prefix, namespace) for prefix in prefixes)
+    remove_placement_groups(f"{placement_group_prefix(namespace, ROLLOUT_PREFIX)}-")
+    return killed
 
 
 def build_workers(
@@ -270,4 +300,4 @@ def namespace_of_run(run_id: str, client: Any = None, groups: list[WorkerGroupIn
 def kill_worker_group(namespace: str) -> int:
     """End the worker groups in ``namespace`` (the trainer's and a rollout's own) and free their placement groups;
     returns how many workers were killed."""
-    return WorkerGroup.kill_named(PREFIX, namespace) + WorkerGroup.kill_named(ROLLOUT_PREFIX, namespace)
+    return WorkerGroup.kill_named(PREFIX, namespace) + kill_rollout_workers(namespace)

@@ -20,6 +20,8 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from rl_core.rollout_schedule import SCHEDULES, check_async_training
+
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
@@ -431,10 +433,16 @@ class RolloutPoolConfig:
 
 @dataclass
 class AsyncTrainingConfig:
+    """How far a rollout of its own runs ahead of the trainer (rl_core/rollout_schedule.py); stale samples are
+    corrected by ``algorithm.rollout_correction``."""
+
     # sync: generate, then train | one_step_off: the next step's generation overlaps this step's training (verl's
-    # one_step_off_policy; needs rollout.n_gpus_per_node > 0; samples one policy version old: correct them with
-    # algorithm.rollout_correction)
+    # one_step_off_policy) | fully_async: the window below (verl's fully_async_policy); the last two need
+    # rollout.n_gpus_per_node > 0
     mode: str = "sync"
+    staleness_threshold: float = 0.0  # fully_async: steps generated between syncs = (1 + this) x the next key
+    trigger_parameter_sync_step: int = 1  # fully_async: trainer steps between weight syncs to the rollout
+    partial_rollout: bool = False  # verl's interrupt-and-continue at a sync: not built (true is refused)
 
 
 @dataclass
@@ -497,7 +505,7 @@ CHOICES = {
     "actor_rollout_ref.rollout.multi_turn.format": ("hermes", "tag"),
     "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side": ("left", "middle", "right"),
     "actor_rollout_ref.rollout.multi_turn.on_parse_error": ("feedback", "stop"),
-    "async_training.mode": ("sync", "one_step_off"),
+    "async_training.mode": SCHEDULES,
 }
 POSITIVE = (
     "actor_rollout_ref.rollout.multi_turn.max_parallel_calls",
@@ -580,33 +588,6 @@ def check_token_budgets(config: Any) -> None:
             )
 
 
-def check_separate_rollout(config: Any) -> None:
-    """A rollout of its own (``rollout.*``) and the one-step-off schedule: what they need and what is not built."""
-    pool, mode = config.rollout, config.async_training.mode
-    if pool.n_gpus_per_node < 0 or pool.nnodes < 1:
-        raise ConfigValueError(
-            f"rollout.nnodes={pool.nnodes}, rollout.n_gpus_per_node={pool.n_gpus_per_node}: nnodes >= 1 and "
-            "n_gpus_per_node >= 0 (0: the rollout on the trainer's workers)"
-        )
-    if pool.n_gpus_per_node == 0:
-        if mode != "sync":
-            raise ConfigValueError(
-                f"async_training.mode={mode} needs a rollout of its own: set rollout.n_gpus_per_node (e.g. 1), the "
-                "rollout's workers beside the trainer's"
-            )
-        return
-    if pool.nnodes * pool.n_gpus_per_node != 1:
-        raise ConfigValueError(
-            f"rollout.nnodes={pool.nnodes} x rollout.n_gpus_per_node={pool.n_gpus_per_node}: one rollout worker is "
-            "built so far (it generates the whole batch); set both to 1"
-        )
-    if mode == "one_step_off" and config.algorithm.filter_groups.enable:
-        raise ConfigValueError(
-            "async_training.mode=one_step_off with algorithm.filter_groups.enable=true: dynamic sampling generates "
-            "until enough groups differ, which the one-step-off schedule cannot launch ahead; use mode=sync"
-        )
-
-
 def check_config(config: Any) -> None:
     """Refuse values that the types allow but the run cannot use, naming the key and the fix (the algorithm names:
     :func:`check_algorithm_names`)."""
@@ -671,7 +652,7 @@ def check_config(config: Any) -> None:
     from rl_core.correction_settings import check_rollout_correction
 
     check_rollout_correction(config)
-    check_separate_rollout(config)
+    check_async_training(config, ConfigValueError)
     rollout = config.actor_rollout_ref.rollout
     if not 0 < rollout.gpu_memory_utilization <= 1:
         raise ConfigValueError(

@@ -150,6 +150,18 @@ def generation_on(config: Any, reward_manager: RewardManager) -> Callable[[Any, 
     return generate_on
 
 
+def launch_generations(
+    rollout: Any, config: Any, data: RLDataset, sampler: ResumableSampler, prompts: Batch, step: int
+) -> None:
+    """As step ``step`` starts (``prompts`` drawn): launch on the rollout of its own (:class:`rl_core.separate_rollout.
+    SeparateRollout`) every generation its window lets start, the later steps' prompts read ahead of the sampler."""
+    steps = rollout.steps_to_launch(step, config.trainer.total_training_steps or step)
+    upcoming = rollout.upcoming(sampler, steps[-1] - step) if steps else []
+    for later in steps:
+        later_prompts = prompts if later == step else step_prompts(data, upcoming[later - step - 1], later, 0)
+        rollout.launch(later_prompts, later)
+
+
 def reward(workers: StepWorkers, reward_manager: RewardManager, batch: Batch) -> tuple[Batch, Metrics]:
     """Stage 2: ``token_level_scores`` (the score on each response's last token) and the scorer's per-sample
     extra values; the reward model's ``rm_scores`` when there is one."""
@@ -293,11 +305,10 @@ def run_ppo_step(
         generation_batches += 1
         if workers.separate_rollout is None:
             batch = stage("generate", generate, workers, prompts, n, baseline_reward)
-        else:  # on the rollout's own workers; one_step_off: launch the next step's generation now
-            batch = stage("generate", workers.separate_rollout.take, prompts)
-            if step < (config.trainer.total_training_steps or 0):
-                upcoming = workers.separate_rollout.upcoming(sampler)
-                workers.separate_rollout.launch(step_prompts(data, upcoming, step + 1, 0), step + 1)
+        else:  # on the rollout's own workers: launch what the window lets start (this step's, later steps'), take
+            if generation_batches == 1:
+                launch_generations(workers.separate_rollout, config, data, sampler, prompts, step)
+            batch = stage("generate", workers.separate_rollout.take, prompts, step)
         batch.union(stage("reward", reward, workers, reward_manager, batch))
         if not filter_groups.enable:
             kept = [batch]

@@ -1,21 +1,27 @@
-"""Generation on a rollout of its own (separate resource pools), synchronous or one step off the policy.
+"""Generation on a rollout of its own (separate resource pools): each step's prompts generated on the rollout's
+workers, up to a window of steps ahead of the trainer.
 
-With ``rollout.n_gpus_per_node > 0`` the step's generation runs on the rollout's workers, which hold a copy of the
-policy synced from the actor (:mod:`rl_core.weight_sync`) whenever it is behind. Two schedules
-(``async_training.mode``):
+With ``rollout.n_gpus_per_node > 0`` the step's generation runs on rollout workers that hold copies of the policy,
+synced from the actor (:mod:`rl_core.weight_sync`) when behind. The schedule (``async_training.*``) is a window of
+steps (:mod:`rl_core.rollout_schedule`): as step k starts, every step up to the window's last that has not started
+generating is launched, each on the rollout worker with the fewest generations not yet taken, in a thread per worker
+(a worker generates one step at a time, in launch order); the worker first takes the actor's weights as they are
+now when it holds older ones. Then the step takes its own generation, waiting for it if it is not done.
 
-* ``sync``: each step syncs the weights, then generates its prompts: the same samples as the colocated run.
-* ``one_step_off`` (verl's one_step_off_policy recipe): step k takes the generation of its prompts that step k-1
-  launched, syncs the weights (the actor has done k-1 updates), and launches step k+1's generation before its own
-  stages run, so generation overlaps training. Step k's samples come from the policy after k-2 updates: one version
-  behind the actor that trains on them (the first step generates its own). Step k+1's prompts are read from a copy of
-  the sampler, so a checkpoint after step k holds the sampler as of step k: a resumed run draws step k+1's prompts
-  again and generates them anew (the generation in flight is lost; no prompt is skipped or trained twice).
+* ``sync`` (window 1): each step launches and takes its own: the colocated run's samples, exactly;
+* ``one_step_off`` (window 2): step k launches step k+1's generation, which overlaps step k's training;
+* ``fully_async``: wider windows, weights synced every ``trigger_parameter_sync_step`` steps, several workers.
+
+Step k+j's prompts are read from a copy of the sampler, so a checkpoint after step k holds the sampler as of step k:
+a resumed run draws step k+1's prompts again and generates them anew (the generations in flight are lost; no prompt is
+skipped or trained twice).
 
 Every response carries the version of the weights that produced it (``rollout_version``); ``training/staleness_*``
-is the actor's version at the update minus it. Correct for it with ``algorithm.rollout_correction``. The step's
-``timing_s/gen`` is then how long the trainer waited for its samples, ``timing_s/generate_ahead`` how long the
-rollout worked on them (taking the weights included).
+is the actor's version at the update minus it (at most the window minus one). Correct for it with
+``algorithm.rollout_correction``. The step's ``timing_s/gen`` is how long the trainer waited for its samples,
+``timing_s/generate_ahead`` how long a rollout worker worked on them (taking the weights included);
+``fully_async/queue_depth`` the generations finished and waiting for their step, ``fully_async/in_flight`` those
+still generating, both as the step took its own.
 """
 
 from __future__ import annotations
@@ -31,109 +37,128 @@ import torch
 
 from rl_core.batch import Batch
 from rl_core.batch_fields import ROLLOUT_VERSION, UID
-from rl_core.weight_sync import WeightsUpdate, sync_rollout_weights
+from rl_core.rollout_schedule import GenerationWindow
+from rl_core.weight_sync import WeightsUpdate
 
-SCHEDULES = ("sync", "one_step_off")
+
+@dataclass
+class RolloutWorker:
+    """One rollout worker (a replica of the policy): its role object, the thread that calls it, the weights' version
+    it holds (or will, once its queued work has run), how many of its generations are not taken yet."""
+
+    role: Any
+    thread: ThreadPoolExecutor
+    version: int
+    untaken: int = 0
+    last_launch: int = 0  # the launch count when it last got one (ties go to the longest unused)
 
 
 @dataclass
 class Pending:
-    """A generation in flight: its prompts' ids, the weights' version it runs with, its tracker (or None)."""
+    """A generation launched: the worker and weights' version it runs with, its future, its tracker (or None)."""
 
-    uids: list[str]
+    worker: RolloutWorker
     version: int
     future: Future
     tracker: Any = None
 
     def finish(self, error: BaseException | None = None, dropped: bool = False) -> None:
+        self.worker.untaken -= 1
         if self.tracker is not None:
             self.tracker.done(error, dropped)
 
 
 class SeparateRollout:
-    """The step's generation on the rollout's workers (see the module docstring). ``generate(rollout, prompts)`` is
-    the step's generation stage called on the rollout role; it runs in a thread of its own for one_step_off."""
+    """The steps' generations on the rollout's workers (see the module docstring). ``generate(rollout, prompts)`` is
+    the step's generation stage called on a rollout worker's role."""
 
     def __init__(
         self,
         actor: Any,
-        rollout: Any,
-        schedule: str,
+        rollouts: list[Any],
+        window: GenerationWindow,
         generate: Callable[[Any, Batch], Batch],
         track: Callable[[str], Any] | None = None,
     ):
-        """``track(name)``, when given, is called as a one-step-off generation starts and returns an object whose
+        """``track(name)``, when given, is called as a generation is launched and returns an object whose
         ``done(error, dropped)`` is called when its result is taken or dropped: the flow reports it as a task run."""
-        if schedule not in SCHEDULES:
-            raise ValueError(f"async_training.mode={schedule!r}: choose one of {', '.join(SCHEDULES)}")
-        self.actor, self.rollout, self.schedule, self.generate = actor, rollout, schedule, generate
-        self.track = track
-        self.pending: Pending | None = None
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ppoflow-rollout")
-        self.weights_synced = 0
-        self.rollout_version = rollout.weights_version()  # the version it holds, or will once its pending work runs
-        self.actor_version = 0
+        self.actor, self.window, self.generate, self.track = actor, window, generate, track
+        self.workers = [
+            RolloutWorker(role, ThreadPoolExecutor(1, thread_name_prefix=f"ppoflow-rollout{i}"), role.weights_version())
+            for i, role in enumerate(rollouts)
+        ]
+        self.pending: dict[tuple[str, ...], Pending] = {}  # by the prompts' uids
+        self.launched_through = 0  # the last step whose generation was launched
+        self.launches = 0
+        self.actor_version = 0  # the actor's updates done, as the current step started
+        self.exported: WeightsUpdate | None = None
 
-    def _synced_version(self) -> int:
-        if sync_rollout_weights(self.actor, self.rollout):
-            self.weights_synced += 1
-        return self.rollout.weights_version()
+    def steps_to_launch(self, step: int, last_step: int) -> list[int]:
+        """As step ``step`` starts (before its own generation is taken): the steps whose generation the window lets
+        start now, in order (this one's included when it has not started)."""
+        self.actor_version = self.actor.weights_version()
+        first = max(step, self.launched_through + 1)
+        return list(range(first, min(self.window.last_launchable(step), last_step) + 1))
 
-    def _receive_and_generate(self, update: WeightsUpdate | None, prompts: Batch) -> tuple[Batch, float]:
-        """In the rollout's thread: take the weights, generate; with the seconds it took (the rollout busy)."""
-        started = time.perf_counter()
-        if update is not None:
-            self.rollout.receive_weights(update)
-            self.weights_synced += 1
-        return self.generate(self.rollout, prompts), time.perf_counter() - started
-
-    def take(self, prompts: Batch) -> tuple[Batch, dict[str, float]]:
-        """The generation of ``prompts``: the one launched for them, else made now with synced weights; tagged with
-        its version, and the staleness metrics."""
-        uids = list(prompts.non_tensors[UID])
-        pending, self.pending = self.pending, None
-        metrics: dict[str, float] = {}
-        if pending is not None and pending.uids == uids:
-            try:
-                (batch, busy_s), version = pending.future.result(), pending.version
-            except BaseException as error:
-                pending.finish(error)
-                raise
-            pending.finish()
-            metrics["timing_s/generate_ahead"] = busy_s
-        else:
-            if pending is not None:  # launched for other prompts (cannot happen within a run): not trained on
-                pending.future.cancel()
-                pending.finish(dropped=True)
-            version = self.rollout_version = self._synced_version()
-            batch = self.generate(self.rollout, prompts)
-        batch.tensors[ROLLOUT_VERSION] = torch.full((len(batch),), version, dtype=torch.long)
-        self.actor_version = self.actor.weights_version()  # what trains on the batch (launch() reuses it)
-        staleness = self.actor_version - version
-        metrics |= {"training/staleness_mean": float(staleness), "training/staleness_max": float(staleness)}
-        return batch, metrics
+    def upcoming(self, sampler: Any, count: int) -> list[list[int]]:
+        """The prompt indices of the sampler's next ``count`` batches, without moving it."""
+        ahead = copy.deepcopy(sampler)
+        return [ahead.next_batch() for _ in range(count)]
 
     def launch(self, prompts: Batch, step: int) -> None:
-        """one_step_off: start generating ``prompts`` (step ``step``'s) now, with the actor's current weights."""
-        if self.schedule != "one_step_off":
-            return
-        # the actor's weights are exported now (before its next update changes them); the rollout takes them in the
-        # background thread, before it generates
-        version = self.actor_version  # take() just asked; no update since
-        update = self.actor.export_weights() if version > self.rollout_version else None
-        self.rollout_version = version
+        """Start generating ``prompts`` (step ``step``'s) on the least busy worker, with the actor's weights as they
+        are now (sent along when the worker holds older ones)."""
+        self.launches += 1
+        worker = min(self.workers, key=lambda w: (w.untaken, w.last_launch))
+        worker.last_launch = self.launches
+        version = self.actor_version
+        update = None
+        if version > worker.version:
+            if self.exported is None or self.exported.version != version:
+                self.exported = self.actor.export_weights()
+            update, worker.version = self.exported, version
         tracker = self.track(f"rollout-{step}/generate (policy v{version})") if self.track else None
-        future = self.executor.submit(self._receive_and_generate, update, prompts)
-        self.pending = Pending(list(prompts.non_tensors[UID]), version, future, tracker)
+        future = worker.thread.submit(self._receive_and_generate, worker.role, update, prompts)
+        worker.untaken += 1
+        self.pending[tuple(prompts.non_tensors[UID])] = Pending(worker, version, future, tracker)
+        self.launched_through = max(self.launched_through, step)
 
-    def upcoming(self, sampler: Any) -> list[int]:
-        """The prompt indices the sampler gives next, without moving it."""
-        return copy.deepcopy(sampler).next_batch()
+    def _receive_and_generate(self, role: Any, update: WeightsUpdate | None, prompts: Batch) -> tuple[Batch, float]:
+        """In the worker's thread: take the weights, generate; with the seconds it took (the worker busy)."""
+        started = time.perf_counter()
+        if update is not None:
+            role.receive_weights(update)
+        return self.generate(role, prompts), time.perf_counter() - started
+
+    def take(self, prompts: Batch, step: int) -> tuple[Batch, dict[str, float]]:
+        """The generation of ``prompts`` (launched now when it was not: a dynamic-sampling batch), tagged with its
+        version, and the staleness and queue metrics."""
+        key = tuple(prompts.non_tensors[UID])
+        if key not in self.pending:
+            self.launch(prompts, step)
+        pending = self.pending.pop(key)
+        try:
+            batch, busy_s = pending.future.result()
+        except BaseException as error:
+            pending.finish(error)
+            raise
+        pending.finish()
+        batch.tensors[ROLLOUT_VERSION] = torch.full((len(batch),), pending.version, dtype=torch.long)
+        staleness = float(self.actor_version - pending.version)
+        ready = sum(p.future.done() for p in self.pending.values())
+        return batch, {
+            "timing_s/generate_ahead": busy_s,
+            "training/staleness_mean": staleness,
+            "training/staleness_max": staleness,
+            "fully_async/queue_depth": float(ready),
+            "fully_async/in_flight": float(len(self.pending) - ready),
+        }
 
     def close(self) -> None:
-        """Drop a generation in flight (the run ended or failed) and the thread."""
-        if self.pending is not None:
-            self.pending.future.cancel()
-            self.pending.finish(dropped=True)
-            self.pending = None
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        """Drop the generations in flight (the run ended or failed) and the workers' threads."""
+        for pending in self.pending.values():
+            pending.future.cancel()
+            pending.finish(dropped=True)
+        self.pending = {}
+        for worker in self.workers:
+            worker.thread.shutdown(wait=False, cancel_futures=True)

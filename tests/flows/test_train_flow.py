@@ -413,16 +413,17 @@ def test_multi_turn_rollouts_with_a_tool_train_and_resume_in_the_flow(run_overri
         assert {step: resumed[key].get(step) for step in history[key]} == history[key], key
 
 
-def test_one_step_off_on_a_rollout_of_its_own_survives_the_rollouts_death(run_overrides, monkeypatch):
-    """The rollout on a worker of its own, one step off: each step after the first trains on samples one version old
-    (training/staleness_max); the rollout's worker, killed as step 3's generation is launched on it, is rebuilt alone
-    (the trainer's workers go on: the same processes) and step 3 runs again, its samples generated then (staleness
-    0); the run finishes with every step once; no worker of either group is left."""
+def test_one_step_off_on_two_rollout_workers_survives_the_death_of_one(run_overrides, monkeypatch):
+    """The rollout on two workers of its own, one step off: each step after the first trains on samples one version
+    old (training/staleness_max); the worker that step 3's generation is launched on is
+    killed as it is, and the rollout's workers are rebuilt alone (the trainer's workers go on: the same processes)
+    and step 3 runs again, its samples generated then (staleness 0); the run finishes with every step once; no worker
+    of either group is left."""
     overrides = run_overrides(
         "trainer.total_training_steps=4",
         "trainer.val_before_train=false",
         "trainer.test_freq=-1",
-        "rollout.n_gpus_per_node=1",
+        "rollout.n_gpus_per_node=2",
         "async_training.mode=one_step_off",
         "actor_rollout_ref.rollout.calculate_log_probs=true",
         "algorithm.rollout_correction.rollout_is=token",
@@ -432,12 +433,12 @@ def test_one_step_off_on_a_rollout_of_its_own_survives_the_rollouts_death(run_ov
     launch = SeparateRollout.launch
 
     def launch_on_a_killed_rollout(self, prompts, step):  # the flow runs in this process: a known moment
+        launch(self, prompts, step)
         if step == 3 and not killed:
-            group = self.rollout._group
+            group = self.pending[tuple(prompts.non_tensors["uid"])].worker.role._group
             trainer_pids.append(",".join(str(r["pid"]) for r in self.actor._group.health()))
             ray.kill(group.actors[0], no_restart=True)
             killed.append(group.namespace)
-        launch(self, prompts, step)
 
     monkeypatch.setattr(SeparateRollout, "launch", launch_on_a_killed_rollout)
     result = train(overrides=overrides)
@@ -452,7 +453,8 @@ def test_one_step_off_on_a_rollout_of_its_own_survives_the_rollouts_death(run_ov
     }
     assert "rollout_corr/rollout_is_mean" in history
     assert all(0 <= v[0] <= 1 for v in history["perf/trainer_idle_fraction"].values())
-    assert sorted(history["perf/rollout_idle_fraction"]) == [2, 4]  # the steps that took a generation ahead
+    assert sorted(history["perf/rollout_idle_fraction"]) == [1, 2, 3, 4]
+    assert sorted(history["fully_async/in_flight"]) == [1, 2, 3, 4]
     tags = MlflowClient(result["tracking_uri"]).get_run(result["run_id"]).data.tags
     assert tags["ppoflow.worker_restarts"] == "1" and tags["ppoflow.worker_pids"] == trainer_pids[0]
     left = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == killed[0]]

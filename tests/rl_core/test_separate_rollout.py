@@ -1,10 +1,12 @@
-"""A rollout of its own, in one process: weights synced from the actor only when behind, the sync schedule, and
-one-step-off (each step's samples one version behind, every prompt trained once, in order)."""
+"""A rollout of its own, in one process: weights synced from the actor only when behind, and the schedules' windows
+(sync, one step off, fully asynchronous with one or two rollout workers): each step's samples as many versions
+behind as the window says, every prompt trained once, in order, across a resume too."""
 
 import pytest
 import torch
 
 from rl_core.ppo_step import StepWorkers, generation_on, run_ppo_step
+from rl_core.rollout_schedule import GenerationWindow
 from rl_core.separate_rollout import SeparateRollout
 from rl_core.weight_sync import sync_rollout_weights
 from rl_core.workers import ActorRolloutRefWorker
@@ -32,43 +34,70 @@ def test_weights_move_to_the_rollout_only_when_it_is_behind(tmp_path, config):
         actor.receive_weights(actor.export_weights())
 
 
-@pytest.mark.parametrize("schedule,staleness", [("sync", [0, 0, 0]), ("one_step_off", [0, 1, 1])])
-def test_a_separate_rollout_trains_every_prompt_once_in_order(tmp_path, config, schedule, staleness):
-    config.trainer.total_training_steps = 3
-    actor, _ = build_workers(config, with_critic=False)
-    data, sampler, reward, kl = step_inputs(tmp_path, actor, config, count=12)
-    separate = SeparateRollout(actor, rollout_worker(config), schedule, generation_on(config, reward))
-    workers = StepWorkers(actor, separate_rollout=separate)
-    expected_order = [sampler.next_batch() for _ in range(3)]
-    sampler.load_state_dict(type(sampler)(len(data), config.data.train_batch_size, shuffle=False).state_dict())
-    try:
-        for step in (1, 2, 3):
-            batch, metrics = run_ppo_step(config, workers, data, sampler, reward, kl, step)
-            uids = sorted(set(batch.non_tensors["uid"]))
-            assert uids == sorted(f"{step}-0-{i}" for i in expected_order[step - 1])
-            assert metrics["training/staleness_max"] == staleness[step - 1]
-            # a generation launched ahead reports how long the rollout worked on it
-            assert ("timing_s/generate_ahead" in metrics) == (staleness[step - 1] > 0)
-            assert (batch.tensors["rollout_version"] == step - 1 - staleness[step - 1]).all()
-            assert actor.weights_version() == step
-    finally:
-        separate.close()
-    assert separate.pending is None  # the last step launched nothing
+SYNC, ONE_STEP_OFF = GenerationWindow(1, 1), GenerationWindow(2, 1)
+SCHEDULE_METRICS = ("timing_s/", "perf/", "training/staleness", "fully_async/")  # times and the rollout's queue
 
 
-def test_a_resume_in_the_middle_of_one_step_off_trains_every_prompt_once(tmp_path, config):
-    """A checkpoint after step 2 holds the sampler as of step 2 although step 3's prompts were already generating;
-    a new controller (a new rollout, the sampler restored) draws them again: steps 1-4 train the sampler's first four
-    batches, once each."""
+@pytest.mark.parametrize(
+    "window,rollouts,staleness",
+    [
+        (SYNC, 1, [0, 0, 0, 0]),
+        (ONE_STEP_OFF, 1, [0, 1, 1, 1]),
+        # fully_async, staleness_threshold=2: steps 1-3 generate from v0, then each step launches the one 2 ahead
+        (GenerationWindow(3, 1), 2, [0, 1, 2, 2]),
+        # fully_async, trigger_parameter_sync_step=2, staleness_threshold=0: weights synced at steps 1 and 3 only
+        (GenerationWindow(2, 2), 2, [0, 1, 0, 1]),
+    ],
+)
+def test_a_separate_rollout_trains_every_prompt_once_in_order(tmp_path, config, window, rollouts, staleness):
     config.trainer.total_training_steps = 4
     actor, _ = build_workers(config, with_critic=False)
     data, sampler, reward, kl = step_inputs(tmp_path, actor, config, count=16)
+    roles = [rollout_worker(config) for _ in range(rollouts)]
+    generate, generated_on = generation_on(config, reward), []
+
+    def generate_and_record(role, prompts):
+        generated_on.append(roles.index(role))
+        return generate(role, prompts)
+
+    separate = SeparateRollout(actor, roles, window, generate_and_record)
+    workers = StepWorkers(actor, separate_rollout=separate)
+    expected_order = [sampler.next_batch() for _ in range(4)]
+    sampler.load_state_dict(type(sampler)(len(data), config.data.train_batch_size, shuffle=False).state_dict())
+    try:
+        for step in (1, 2, 3, 4):
+            batch, metrics = run_ppo_step(config, workers, data, sampler, reward, kl, step)
+            uids = sorted(set(batch.non_tensors["uid"]))
+            assert uids == sorted(f"{step}-0-{i}" for i in expected_order[step - 1])
+            assert metrics["training/staleness_max"] == staleness[step - 1] <= window.max_staleness
+            assert (batch.tensors["rollout_version"] == step - 1 - staleness[step - 1]).all()
+            assert actor.weights_version() == step
+            # the generations launched and not taken: the window's steps after this one
+            waiting = metrics["fully_async/queue_depth"] + metrics["fully_async/in_flight"]
+            assert waiting == min(window.last_launchable(step), 4) - step
+            assert metrics["timing_s/generate_ahead"] > 0
+    finally:
+        separate.close()
+    assert separate.pending == {}  # the last step launched nothing
+    assert sorted(generated_on) == sorted(i % rollouts for i in range(4))  # the workers took turns
+
+
+@pytest.mark.parametrize("window,rollouts", [(ONE_STEP_OFF, 1), (GenerationWindow(3, 1), 2)])
+def test_a_resume_in_the_middle_of_an_asynchronous_run_trains_every_prompt_once(tmp_path, config, window, rollouts):
+    """A checkpoint after step 2 holds the sampler as of step 2 although later steps' prompts were already
+    generating; a new controller (a new rollout, the sampler restored) draws them again: steps 1-5 train the sampler's
+    first five batches, once each."""
+    config.trainer.total_training_steps = 5
+    actor, _ = build_workers(config, with_critic=False)
+    data, sampler, reward, kl = step_inputs(tmp_path, actor, config, count=20)
     fresh_state = sampler.state_dict()
-    expected = [sorted(f"{step}-0-{i}" for i in sampler.next_batch()) for step in (1, 2, 3, 4)]
+    expected = [sorted(f"{step}-0-{i}" for i in sampler.next_batch()) for step in (1, 2, 3, 4, 5)]
     sampler.load_state_dict(fresh_state)
     trained = []
 
-    def steps(numbers, separate):
+    def steps(numbers):
+        roles = [rollout_worker(config) for _ in range(rollouts)]
+        separate = SeparateRollout(actor, roles, window, generation_on(config, reward))
         try:
             for step in numbers:
                 batch, _ = run_ppo_step(
@@ -78,10 +107,10 @@ def test_a_resume_in_the_middle_of_one_step_off_trains_every_prompt_once(tmp_pat
         finally:
             separate.close()
 
-    steps((1, 2), SeparateRollout(actor, rollout_worker(config), "one_step_off", generation_on(config, reward)))
-    checkpoint = sampler.state_dict()  # what the step-2 checkpoint holds; step 3's generation was in flight
+    steps((1, 2))
+    checkpoint = sampler.state_dict()  # what the step-2 checkpoint holds; later steps' generations were in flight
     sampler.load_state_dict(checkpoint)
-    steps((3, 4), SeparateRollout(actor, rollout_worker(config), "one_step_off", generation_on(config, reward)))
+    steps((3, 4, 5))
     assert trained == expected
 
 
@@ -94,7 +123,7 @@ def test_the_sync_schedule_on_a_rollout_of_its_own_is_the_colocated_run(tmp_path
         actor, _ = build_workers(config, with_critic=False)
         data, sampler, reward, kl = step_inputs(tmp_path, actor, config)
         rollout = (
-            SeparateRollout(actor, rollout_worker(config), "sync", generation_on(config, reward)) if separate else None
+            SeparateRollout(actor, [rollout_worker(config)], SYNC, generation_on(config, reward)) if separate else None
         )
         results = [
             run_ppo_step(config, StepWorkers(actor, separate_rollout=rollout), data, sampler, reward, kl, s)
@@ -104,7 +133,7 @@ def test_the_sync_schedule_on_a_rollout_of_its_own_is_the_colocated_run(tmp_path
             rollout.close()
         runs.append(
             [
-                {k: v for k, v in m.items() if not k.startswith(("timing_s/", "perf/", "training/staleness"))}
+                {k: v for k, v in m.items() if not k.startswith(SCHEDULE_METRICS)}
                 | {"responses": batch.tensors["responses"].tolist()}
                 for batch, m in results
             ]
