@@ -1,17 +1,21 @@
 """Asynchronous RL against the synchronous run: trained samples per second and validation accuracy after the same
 number of samples, runs alternated in one sitting.
 
-    python bench/async_rl.py [--workload demo|tool|both] [--steps 100] [--repeats 3]
+    python bench/async_rl.py [--workload demo|tool|both] [--steps 100] [--repeats 3] [--modes one_step_off ...]
 
 Each run is ``ppoflow train`` on the embedded demo (``demo``: addition, a 64-wide model) or the tool demo (``tool``:
 multiplication through the calculator, its answers delayed by ``--tool-latency`` seconds like a remote service), in a
 folder of its own, with validation after the last step only; repeat r uses the shuffling and sampling seeds r+1 and
-r in both modes (the accuracy after a few steps is the seed's as much as the mode's):
+r in every mode (the accuracy after a few steps is the seed's as much as the mode's):
 
 * ``sync``: the colocated default, generation and training on one worker with every CPU;
 * ``one_step_off``: the rollout on a worker of its own (``rollout.n_gpus_per_node=1``), the node's CPUs shared between
   it and the trainer's worker, the next step's generation overlapping this step's training, verl's recipe settings
-  (the rollout's log-probs as the old ones: ``algorithm.rollout_correction.bypass_mode=true``).
+  (the rollout's log-probs as the old ones: ``algorithm.rollout_correction.bypass_mode=true``);
+* ``fully_async``: two rollout workers (``rollout.n_gpus_per_node=2``), ``async_training.mode=fully_async`` with
+  ``staleness_threshold=1`` (two steps' prompts per weight sync: one generation ahead, on the worker that is free);
+* ``fully_async_2``: the same with ``staleness_threshold=2`` (two generations ahead, one on each worker; samples up to
+  two versions old).
 
 On a GPU machine the same command runs each pool on its own GPU (``trainer.n_gpus_per_node=1`` stays; the rollout takes
 another). Prints a table per workload (medians over the repeats) and, last, one JSON line.
@@ -33,13 +37,21 @@ WORKLOADS = {
     "demo": [],
     "tool": ["data.synthetic.task=calc", "actor_rollout_ref.rollout.multi_turn.max_concurrent_tools=64"],
 }
+RECIPE = ["actor_rollout_ref.rollout.calculate_log_probs=true", "algorithm.rollout_correction.bypass_mode=true"]
 MODES = {
     "sync": [],
-    "one_step_off": [
-        "rollout.n_gpus_per_node=1",
-        "async_training.mode=one_step_off",
-        "actor_rollout_ref.rollout.calculate_log_probs=true",
-        "algorithm.rollout_correction.bypass_mode=true",
+    "one_step_off": ["rollout.n_gpus_per_node=1", "async_training.mode=one_step_off", *RECIPE],
+    "fully_async": [
+        "rollout.n_gpus_per_node=2",
+        "async_training.mode=fully_async",
+        "async_training.staleness_threshold=1",
+        *RECIPE,
+    ],
+    "fully_async_2": [
+        "rollout.n_gpus_per_node=2",
+        "async_training.mode=fully_async",
+        "async_training.staleness_threshold=2",
+        *RECIPE,
     ],
 }
 
@@ -81,11 +93,13 @@ def main() -> None:
     parser.add_argument("--workload", choices=[*WORKLOADS, "both"], default="both")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES), help="sync always runs")
     parser.add_argument("--tool-latency", type=float, default=0.1, help="seconds per calculator call (tool workload)")
     args = parser.parse_args()
     from flows.config import compose_config
 
     workloads = list(WORKLOADS) if args.workload == "both" else [args.workload]
+    modes = {mode: MODES[mode] for mode in MODES if mode == "sync" or mode in args.modes}
     summary: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="ppoflow-async-bench-") as tmp:
         for workload in workloads:
@@ -97,10 +111,10 @@ def main() -> None:
                 )
             config = compose_config(overrides)
             samples = config.data.train_batch_size * config.actor_rollout_ref.rollout.n
-            results: dict[str, list[dict]] = {mode: [] for mode in MODES}
+            results: dict[str, list[dict]] = {mode: [] for mode in modes}
             for repeat in range(args.repeats):  # alternated: the machine's drift falls on both
                 seeds = [f"data.seed={repeat + 1}", f"actor_rollout_ref.rollout.seed={repeat}"]  # one per repeat
-                for mode, extra in MODES.items():
+                for mode, extra in modes.items():
                     results[mode].append(run(Path(tmp) / f"{workload}-{mode}-{repeat}", overrides + seeds + extra))
                     print(f"{workload} {mode} #{repeat + 1}: {results[mode][-1]}", flush=True)
             rows = {
@@ -112,8 +126,12 @@ def main() -> None:
                 }
                 for mode, runs in results.items()
             }
-            speedup = rows["one_step_off"]["samples_per_s"] / rows["sync"]["samples_per_s"]
-            summary[workload] = {"samples_per_step": samples, **rows, "speedup": round(speedup, 2)}
+            speedups = {
+                mode: round(rows[mode]["samples_per_s"] / rows["sync"]["samples_per_s"], 2)
+                for mode in rows
+                if mode != "sync"
+            }
+            summary[workload] = {"samples_per_step": samples, **rows, "speedup": speedups}
             print(f"\n{workload}: {args.steps} steps of {samples} samples, {args.repeats} repeats (medians)")
             print(f"{'mode':14} {'step (s)':>9} {'samples/s':>10} {'gen wait (s)':>13} {'val accuracy':>13}")
             for mode, row in rows.items():
@@ -121,7 +139,7 @@ def main() -> None:
                     f"{mode:14} {row['step_s']:9.3f} {row['samples_per_s']:10.1f} {row['gen_wait_s']:13.3f} "
                     f"{row['val_accuracy']:13.3f}"
                 )
-            print(f"one_step_off / sync: {speedup:.2f}x samples per second\n")
+            print(", ".join(f"{mode} / sync: {x:.2f}x" for mode, x in speedups.items()) + " samples per second\n")
     print(json.dumps({"steps": args.steps, "repeats": args.repeats, "workloads": summary}))
 
 

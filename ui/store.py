@@ -36,6 +36,7 @@ DEFAULT_CURVES = {
 # timing inside a stage, like timing_s/tools inside generation, would be counted twice)
 STAGE_ORDER = (*TIMING_NAMES.values(), "testing")
 STEP_TIME = "perf/time_per_step"
+ROLLOUT_TIME = "timing_s/generate_ahead"  # a rollout of its own: its workers' seconds on the step's samples
 SAMPLES_FOLDER = "samples"
 ENDED = ("FINISHED", "FAILED", "KILLED")
 PARENT_TAG = "mlflow.parentRunId"  # a sweep's children are nested under its parent run
@@ -178,12 +179,17 @@ class RunStore:
     def timeline(self, run_id: str, max_points: int = 500) -> dict[str, Any]:
         """Seconds per stage per step on one shared step axis: the stages of :data:`STAGE_ORDER` the run logged
         (``timing_s/<stage>``), in the order they run, the step's wall time ``perf/time_per_step`` (``total``) and
-        what the stages leave of it (``overhead``: the controller, Prefect, logging; never below 0)."""
+        what the stages leave of it (``overhead``: the controller, Prefect, logging; never below 0). With a rollout of
+        its own, ``rollout``: the second stream, how long a rollout worker generated the samples each step trained on
+        (``timing_s/generate_ahead``, beside the trainer's ``gen``: its wait for them); else None."""
         run = self.client.get_run(run_id)
         ended = run.info.status in ENDED
         stages = [stage for stage in STAGE_ORDER if f"timing_s/{stage}" in run.data.metrics]
         histories = {stage: {p[0]: p[1] for p in self._points(run_id, f"timing_s/{stage}", ended)} for stage in stages}
         totals = {p[0]: p[1] for p in self._points(run_id, STEP_TIME, ended)} if STEP_TIME in run.data.metrics else {}
+        rollout = None
+        if ROLLOUT_TIME in run.data.metrics:
+            rollout = {p[0]: p[1] for p in self._points(run_id, ROLLOUT_TIME, ended)}
         steps = sorted({step for history in histories.values() for step in history if step > 0})
         if len(steps) > max_points:  # every n-th step: stacked bars need the same steps in every series
             stride = -(-len(steps) // max_points)
@@ -199,6 +205,7 @@ class RunStore:
             "stages": [{"stage": stage, "values": values[stage]} for stage in stages],
             "total": total,
             "overhead": overhead,
+            "rollout": None if rollout is None else [rollout.get(s) for s in steps],
         }
 
     # ------------------------------------------------------------------ rollout samples

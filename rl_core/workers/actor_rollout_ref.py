@@ -134,32 +134,25 @@ def micro_policy_loss(
     mask, advantages = micro.tensors[RESPONSE_MASK], micro.tensors[ADVANTAGES]
     if bypass is None:
         old_log_prob = micro.tensors[OLD_LOG_PROBS] if OLD_LOG_PROBS in micro.tensors else log_prob.detach()
-        weights = micro.tensors.get(ROLLOUT_IS_WEIGHTS)
-        return loss_fn(
-            old_log_prob=old_log_prob,
-            log_prob=log_prob,
-            advantages=advantages,
-            response_mask=mask,
-            loss_agg_mode=loss_agg_mode,
-            config=config,
-            rollout_is_weights=weights,
-        )
-    rollout_log_prob = micro.tensors[ROLLOUT_LOG_PROBS]
-    weights, kept, correction_metrics = rollout_correction(log_prob.detach(), rollout_log_prob, mask, bypass)
-    if bypass.loss_type == "reinforce":
-        pg_loss, metrics = compute_policy_loss_reinforce(
-            rollout_log_prob, log_prob, advantages, kept, loss_agg_mode, config, weights
-        )
+        weights, correction_metrics = micro.tensors.get(ROLLOUT_IS_WEIGHTS), {}
     else:
-        pg_loss, metrics = loss_fn(
-            old_log_prob=rollout_log_prob,
-            log_prob=log_prob,
-            advantages=advantages,
-            response_mask=kept,
-            loss_agg_mode=loss_agg_mode,
-            config=config,
-            rollout_is_weights=None,
-        )
+        old_log_prob = micro.tensors[ROLLOUT_LOG_PROBS]
+        weights, mask, correction_metrics = rollout_correction(log_prob.detach(), old_log_prob, mask, bypass)
+        if bypass.loss_type == "reinforce":
+            pg_loss, metrics = compute_policy_loss_reinforce(
+                old_log_prob, log_prob, advantages, mask, loss_agg_mode, config, weights
+            )
+            return pg_loss, metrics | correction_metrics
+        weights = None  # ppo_clip: its ratio pi_theta / pi_rollout is the correction
+    pg_loss, metrics = loss_fn(
+        old_log_prob=old_log_prob,
+        log_prob=log_prob,
+        advantages=advantages,
+        response_mask=mask,
+        loss_agg_mode=loss_agg_mode,
+        config=config,
+        rollout_is_weights=weights,
+    )
     return pg_loss, metrics | correction_metrics
 
 

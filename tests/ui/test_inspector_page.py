@@ -21,15 +21,28 @@ from ui.server import Links, create_app
 HOSTILE = '<script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2">'
 
 
+ROLLOUT_SECONDS = {1: 1.7, 2: 1.2, 3: 0.9}  # the two-stream run's rollout worker seconds per step
+
+
 @pytest.fixture(scope="module")
 def store(tmp_path_factory, demo_cache, ray_address, prefect_api):
-    """A real training run (GRPO, 3 steps, samples every step) and a second run whose logged strings are hostile."""
+    """A real training run (GRPO, 3 steps, samples every step), a run with its stage seconds and a rollout of its
+    own's, and a last run whose logged strings are hostile."""
     from flows.train import train
 
     folder = tmp_path_factory.mktemp("inspector")
     result = train(overrides=small_run_overrides(folder, demo_cache, "trainer.experiment_name=inspected"))
     client = MlflowClient(result["tracking_uri"])
     experiment = client.get_experiment_by_name("ppoflow").experiment_id
+    # the real run's stage seconds again, as a run with a rollout of its own logs them: beside them its workers'
+    two_streams = client.create_run(experiment, run_name="two streams").info.run_id
+    for key in [k for k in client.get_run(result["run_id"]).data.metrics if k.startswith("timing_s/")]:
+        for point in client.get_metric_history(result["run_id"], key):
+            client.log_metric(two_streams, key, point.value, step=point.step)
+    for step, seconds in ROLLOUT_SECONDS.items():
+        client.log_metric(two_streams, "perf/time_per_step", 2.0, step=step)
+        client.log_metric(two_streams, "timing_s/generate_ahead", seconds, step=step)
+    client.set_terminated(two_streams)  # before the hostile run: that one stays the newest
     hostile = client.create_run(experiment, run_name="hostile").info.run_id
     client.log_param(hostile, "algorithm.adv_estimator", "rloo")
     # a path with no place to break a line (the page must still fit 1000 px)
@@ -48,7 +61,7 @@ def store(tmp_path_factory, demo_cache, ray_address, prefect_api):
         artifact_file="samples/step_000001.json",
     )
     client.set_terminated(hostile)
-    return {"uri": result["tracking_uri"], "run_id": result["run_id"], "hostile": hostile}
+    return {"uri": result["tracking_uri"], "run_id": result["run_id"], "hostile": hostile, "two_streams": two_streams}
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +168,32 @@ def test_the_timeline_shows_every_stage_that_ran(browser, server, store):
     labels = [s["label"] for s in browser.execute_script("return arguments[0].uplot.series", box)[1:]]
     ran = [f"{s} (s)" for s in ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "testing")]
     assert labels == [*ran, "controller overhead (s)", "time per step (s)"]  # stacked in the order the stages run
+
+
+def test_a_rollout_of_its_own_is_a_second_stream_beside_the_trainers(browser, server, store):
+    open_page(browser, server, select_runs={store["two_streams"]})
+    box = browser.find_element(By.CSS_SELECTOR, "#timeline .chart")
+    labels = [s["label"] for s in browser.execute_script("return arguments[0].uplot.series", box)[1:]]
+    assert labels[-3:] == ["controller overhead (s)", "rollout worker generating (s)", "time per step (s)"]
+    for step, seconds in ROLLOUT_SECONDS.items():
+        shown = browser.execute_script(
+            "const u = arguments[0].uplot; u.setCursor({left: u.valToPos(arguments[1], 'x'), top: 10});"
+            "return [...arguments[0].querySelectorAll('.u-legend tr.u-series')].map("
+            "r => [r.querySelector('.u-label').textContent, r.querySelector('.u-value').textContent]);",
+            box,
+            step,
+        )
+        assert float(dict(shown)["rollout worker generating (s)"]) == pytest.approx(seconds, abs=1e-3)
+    # the two streams side by side: the rollout's bar right of the step's centre, the trainer's left of it
+    columns = browser.execute_script(
+        "const u = arguments[0].uplot, c = arguments[0].querySelector('canvas'), ctx = c.getContext('2d');"
+        "const x = Math.round(u.valToPos(1, 'x', true) + u.bbox.left), y0 = u.bbox.top, h = u.bbox.height;"
+        "const painted = (dx) => { const d = ctx.getImageData(x + dx, y0, 1, h).data; let n = 0;"
+        " for (let i = 3; i < d.length; i += 4) if (d[i] > 0) n++; return n; };"
+        "return [painted(-6), painted(6)];",
+        box,
+    )
+    assert all(count > 5 for count in columns), columns
 
 
 def test_the_timeline_hover_shows_each_stage_own_seconds(browser, server, store):

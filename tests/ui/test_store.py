@@ -95,6 +95,11 @@ def test_the_timeline_overhead_is_the_step_time_the_stages_leave(tmp_path):
     assert [s["stage"] for s in timeline["stages"]] == ["gen", "reward", "update_actor", "testing"]
     assert timeline["stages"][3]["values"] == [0.0, 0.6, 0.0]
     assert timeline["overhead"] == pytest.approx([2.0 - 1.6, 2.5 - 2.0, 0.0])
+    assert timeline["rollout"] is None  # colocated: one stream
+    for step, seconds in ((2, 1.7), (3, 1.2)):  # a rollout of its own: its workers' seconds on each step's samples
+        client.log_metric(run_id, "timing_s/generate_ahead", seconds, step=step)
+    timeline = RunStore(uri).timeline(run_id)
+    assert timeline["rollout"] == [None, 1.7, 1.2] and "generate_ahead" not in [s["stage"] for s in timeline["stages"]]
 
 
 def test_a_running_run_shows_new_steps_and_an_ended_run_is_read_once(tmp_path):

@@ -5,6 +5,7 @@
 
 const COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22"];
 const STAGE_COLOURS = ["#4e79a7", "#f28e2b", "#59a14f", "#b07aa1", "#76b7b2", "#edc948", "#e15759", "#9c755f", "#bab0ac"];
+const ROLLOUT_COLOUR = "#2f4b7c";  // the second stream of a rollout of its own
 const PREFS_KEY = "ppoflow-inspector";
 const state = {
   settings: null, runs: [], colours: new Map(), selected: new Set(), userSelected: false, sort: { key: "start_time", desc: true },
@@ -332,39 +333,51 @@ async function loadMetricKeys() {
 }
 
 // ------------------------------------------------------------------ stage timeline (per-stage seconds, stacked)
-function stackedBars(lower) {
-  // a uPlot path: each point's bar from `lower[i]` up to the series' value (the running total of the stages below)
+function stackedBars(lower, slot = 0, slots = 1) {
+  // a uPlot path: each point's bar from `lower[i]` up to the series' value (the running total of the stages below),
+  // in the slot-th of `slots` side-by-side places of the step (two streams: the trainer's, then the rollout's)
   return (u, seriesIdx, idx0, idx1) => {
     const xs = u.data[0], top = u.data[seriesIdx];
     const gap = xs.length > 1 ? Math.abs(u.valToPos(xs[1], "x", true) - u.valToPos(xs[0], "x", true)) : u.bbox.width / 3;
-    const width = Math.max(1, Math.min(gap * 0.8, 60 * devicePixelRatio));
+    const full = Math.max(slots, Math.min(gap * 0.8, 60 * slots * devicePixelRatio));
+    const width = full / slots;
     const path = new Path2D();
     for (let i = idx0; i <= idx1; i++) {
-      if (top[i] === null || lower[i] === null) continue;
-      const x = u.valToPos(xs[i], "x", true), bottom = u.valToPos(lower[i], "y", true), y = u.valToPos(top[i], "y", true);
-      path.rect(x - width / 2, y, width, bottom - y);
+      if (top[i] === null || top[i] === undefined || lower[i] === null) continue;
+      const x = u.valToPos(xs[i], "x", true) - full / 2 + width * slot;
+      const bottom = u.valToPos(lower[i], "y", true), y = u.valToPos(top[i], "y", true);
+      path.rect(x, y, width, bottom - y);
     }
     return { stroke: path, fill: path };
   };
 }
 
 function timelineOptions(timeline) {
-  // bands bottom-up in run order, then the controller's overhead, then the step's wall time as a line; the legend
+  // the trainer's stream: bands bottom-up in run order, then the controller's overhead, then the step's wall time as
+  // a line; with a rollout of its own, its stream beside (its workers' seconds on the step's samples); the legend
   // shows each band's own seconds (the drawn values are running totals)
   const steps = timeline.steps;
   const spacing = steps.length > 1 ? steps[1] - steps[0] : 1;
+  const slots = timeline.rollout ? 2 : 1;
   const bands = [...timeline.stages.map((s) => ({ label: `${s.stage} (s)`, values: s.values })),
     { label: "controller overhead (s)", values: timeline.overhead.map((v) => v ?? 0) }];
-  let below = steps.map(() => 0);
+  const zeros = steps.map(() => 0);
+  let below = zeros;
   const series = [], data = [steps];
+  const own = (values) => (u, v, si, idx) => (idx === null || values[idx] == null ? "--" : formatNumber(values[idx]));
   bands.forEach((band, i) => {
     const top = band.values.map((v, j) => below[j] + v);
     const colour = i === bands.length - 1 ? "#bbbbbb" : STAGE_COLOURS[i % STAGE_COLOURS.length];
-    series.push({ label: band.label, stroke: colour, fill: colour + "dd", width: 0, paths: stackedBars(below),
-                  points: { show: false }, value: (u, v, si, idx) => (idx === null ? "--" : formatNumber(band.values[idx])) });
+    series.push({ label: band.label, stroke: colour, fill: colour + "dd", width: 0, paths: stackedBars(below, 0, slots),
+                  points: { show: false }, value: own(band.values) });
     data.push(top);
     below = top;
   });
+  if (timeline.rollout) {
+    series.push({ label: "rollout worker generating (s)", stroke: ROLLOUT_COLOUR, fill: ROLLOUT_COLOUR + "dd", width: 0,
+                  paths: stackedBars(zeros, 1, 2), points: { show: false }, value: own(timeline.rollout) });
+    data.push(timeline.rollout);
+  }
   series.push({ label: "time per step (s)", stroke: "#222", width: 1.5, spanGaps: true,
                 value: (u, v) => (v === null || v === undefined ? "--" : formatNumber(v)) });
   data.push(timeline.total);
