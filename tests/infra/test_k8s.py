@@ -1,5 +1,6 @@
 """The Kubernetes manifests (infra/k8s): rendered from one values file, sized by it, secrets only by reference."""
 
+import copy
 import subprocess
 import sys
 
@@ -7,6 +8,7 @@ import pytest
 import yaml
 
 from infra.k8s.render import VALUES_FILE, load_values, render
+from infra.k8s.validate import folder_errors, manifest_errors
 from infra.ray_settings import INLINE_OBJECTS_ENV
 from tests.conftest import ROOT
 
@@ -48,6 +50,7 @@ def test_the_manifests_follow_the_values(tmp_path, overrides, nodes, gpus, names
     subprocess.run(command, cwd=ROOT, check=True, capture_output=True, timeout=120)
     manifests = {path.name: list(yaml.safe_load_all(path.read_text())) for path in sorted(tmp_path.glob("*.yaml"))}
     assert manifests == render(load_values(VALUES_FILE, overrides))  # the files are what render() makes
+    assert folder_errors(tmp_path) == []  # Kubernetes' own schemas and KubeRay's, strict
     kinds = by_kind(manifests)
     assert set(kinds) == {
         ("Namespace", namespace),
@@ -113,3 +116,21 @@ def test_the_manifests_follow_the_values(tmp_path, overrides, nodes, gpus, names
 def test_bad_values_are_refused(override, message):
     with pytest.raises(ValueError, match=message):
         load_values(VALUES_FILE, [override])
+
+
+def test_the_schemas_refuse_what_a_cluster_would():
+    """A string map holding a number, an unknown field in a pod's container, one in the RayCluster's spec, a count
+    that is not a number: each refused, naming the field."""
+    manifests = render(load_values(VALUES_FILE, []))
+    ray = copy.deepcopy(manifests["40-raycluster.yaml"][0])
+    ray["spec"]["workerGroupSpecs"][0]["rayStartParams"]["num-gpus"] = 8
+    ray["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["gpus"] = 8
+    ray["spec"]["headGroupSpec"]["replicas"] = 1
+    errors = manifest_errors(ray)
+    assert len(errors) == 3 and all(e.startswith("RayCluster ppoflow-ray: spec.") for e in errors)
+    assert any("workerGroupSpecs.0.rayStartParams.num-gpus: 8 is not of type 'string'" in e for e in errors)
+    assert any("workerGroupSpecs.0.template.spec.containers.0: " in e and "'gpus' was unexpected" in e for e in errors)
+    assert any("headGroupSpec: " in e and "'replicas' was unexpected" in e for e in errors)
+    prefect = copy.deepcopy(manifests["20-prefect.yaml"][0])
+    prefect["spec"]["replicas"] = "two"
+    assert manifest_errors(prefect) == ["Deployment prefect: spec.replicas: 'two' is not of type 'integer', 'null'"]
