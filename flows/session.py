@@ -235,7 +235,13 @@ class TrainingSession:
         )
 
     def _use_group(self) -> None:
-        self.tracker.set_tags({"ppoflow.worker_pids": ",".join(str(r["pid"]) for r in self.group.health(self.timeout))})
+        reports = self.group.health(self.timeout)  # by rank: where the trainer's workers run
+        self.tracker.set_tags(
+            {
+                "ppoflow.worker_pids": ",".join(str(r["pid"]) for r in reports),
+                "ppoflow.worker_nodes": ",".join(r["node"] for r in reports),
+            }
+        )
         self.workers = step_workers(self.group, self.timeout, self.config.reward.timeout_s)
         if has_separate_rollout(self.config):  # a rollout of its own: its group beside the trainer's
             if not self.rollout_groups:
@@ -243,6 +249,8 @@ class TrainingSession:
                 self.rollout_groups = build_rollout_workers(self.config, self.group.namespace)
                 count = len(self.rollout_groups)
                 self.view.log(f"set-up: the rollout's own {count} worker(s) {time.perf_counter() - started:.1f} s")
+                nodes = [r["node"] for group in self.rollout_groups for r in group.health(self.timeout)]
+                self.tracker.set_tags({"ppoflow.rollout_nodes": ",".join(nodes)})
             self.workers.separate_rollout = SeparateRollout(
                 self.workers.actor,
                 [group.role("actor_rollout_ref", self.timeout) for group in self.rollout_groups],

@@ -43,6 +43,9 @@ class FusedWorkerBase:
         self.set_roles(role_specs)
         self.started_at = time.time()
         self.labels: dict[str, str] = {}
+        import ray
+
+        self.node_id = ray.get_runtime_context().get_node_id()  # the Ray node this worker runs on
 
     def set_roles(self, role_specs: dict[str, RoleSpec]) -> None:
         """Make the role objects (again) from ``role_specs``: the same roles and classes this process was made for,
@@ -71,14 +74,14 @@ class FusedWorkerBase:
         self.labels.update(labels)
 
     def health(self) -> dict[str, Any]:
-        """Liveness and where the weights are: rank, pid, start time, labels, and each role's number of updates done
-        and begun (they differ while an update runs, or after one failed half-way: the weights then match no
-        checkpoint)."""
+        """Liveness and where the weights are: rank, pid, Ray node id, start time, labels, and each role's number of
+        updates done and begun (they differ while an update runs, or after one failed half-way: the weights then match
+        no checkpoint)."""
         return {
             "rank": int(os.environ.get("RANK", 0)),
             "world_size": int(os.environ.get("WORLD_SIZE", 1)),
             "pid": os.getpid(),
-            "node": os.environ.get("PPOFLOW_NODE", ""),
+            "node": self.node_id,
             "started_at": self.started_at,
             "labels": dict(self.labels),
             "steps_trained": {role: getattr(obj, "steps_trained", None) for role, obj in self.roles.items()},

@@ -80,8 +80,10 @@ class ResourcePool:
 
 
 def smallest_node_cpus() -> float:
-    """The CPU count of the smallest live node of the connected cluster."""
-    return min(node["Resources"].get("CPU", 1) for node in ray.nodes() if node.get("Alive"))
+    """The CPU count of the smallest live node of the connected cluster that has CPUs (a head started with none, as
+    on KubeRay, hosts no worker)."""
+    counts = [node["Resources"].get("CPU", 0) for node in ray.nodes() if node.get("Alive")]
+    return min((count for count in counts if count > 0), default=1)
 
 
 def remove_placement_groups(name_prefix: str) -> int:
