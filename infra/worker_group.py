@@ -63,6 +63,7 @@ class WorkerGroup:
         self.actors, self.names, self.namespace, self.prefix = actors, names, namespace, prefix
         self.fused_class = fused_worker_class(role_specs)
         self.roles = list(role_specs)
+        self.nodes: dict[str, str] = {}  # worker name -> Ray node id, as the last health check saw it
 
     @property
     def world_size(self) -> int:
@@ -170,7 +171,18 @@ class WorkerGroup:
 
     def health(self, timeout_s: float = 10.0) -> list[dict[str, Any]]:
         """Each rank's health report; WorkerDiedError / WorkerTimeoutError name the first bad worker."""
-        return self._wait([actor.health.remote() for actor in self.actors], "health check", timeout_s, self.names)
+        reports = self._wait([actor.health.remote() for actor in self.actors], "health check", timeout_s, self.names)
+        self.nodes = {name: report["node"] for name, report in zip(self.names, reports)}
+        return reports
+
+    def _where(self, name: str) -> str:
+        """`` on node <id>`` for a worker whose node a health check saw, and whether that node has left the
+        cluster (a machine lost, not only a process)."""
+        node = self.nodes.get(name)
+        if not node:
+            return ""
+        alive = any(entry["NodeID"] == node and entry["Alive"] for entry in ray.nodes())
+        return f" on node {node[:12]}" + ("" if alive else ", which has left the cluster")
 
     def _wait(self, refs: list, stage: str, timeout_s: float, names: list[str]) -> list[Any]:
         """Results in rank order; the first failure is raised at once, naming its worker."""
@@ -191,8 +203,8 @@ class WorkerGroup:
             except RayActorError as error:
                 name = names[index_of[ref]]
                 raise WorkerDiedError(
-                    f"stage {stage!r}: worker {name} died ({type(error).__name__}); the group must be rebuilt from "
-                    "the last checkpoint",
+                    f"stage {stage!r}: worker {name}{self._where(name)} died ({type(error).__name__}); the group "
+                    "must be rebuilt from the last checkpoint",
                     name,
                 ) from error
             except RayTaskError as error:

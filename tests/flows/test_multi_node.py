@@ -5,8 +5,10 @@ worker takes one, so a worker group of two ranks has to span two nodes and a rol
 
 import json
 import os
+import sqlite3
 import subprocess
 import sys
+import time
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -58,10 +60,10 @@ def worker_nodes(result: dict, tag: str = "ppoflow.worker_nodes") -> list[str]:
     return MlflowClient(result["tracking_uri"]).get_run(result["run_id"]).data.tags[tag].split(",")
 
 
-def two_ranks(run_overrides, folder, nnodes: int = 2, *extra: str) -> list[str]:
-    """Two steps of two ranks: on ``nnodes`` nodes (2: one each; 1: both on one)."""
+def two_ranks(run_overrides, folder, nnodes: int = 2, *extra: str, steps: int = 2) -> list[str]:
+    """``steps`` steps of two ranks: on ``nnodes`` nodes (2: one each; 1: both on one)."""
     return run_overrides(
-        "trainer.total_training_steps=2",
+        f"trainer.total_training_steps={steps}",
         "trainer.test_freq=-1",
         "trainer.val_before_train=false",
         f"trainer.nnodes={nnodes}",
@@ -97,3 +99,49 @@ def test_a_rollout_of_its_own_lands_on_a_node_of_its_own(cluster, run_overrides,
     assert len({*trainer, rollout}) == NODES
     history = metric_history(result["tracking_uri"], result["run_id"])
     assert history["training/staleness_max"] == {1: [0.0], 2: [1.0]}
+
+
+def test_a_node_lost_mid_run_is_replaced_and_every_step_trains_once(cluster, run_overrides, tmp_path):
+    """The node of rank 1 leaves the cluster (its raylet and every process on it end) after step 2: the run says which
+    worker, node and stage were lost, rebuilds its workers from the latest checkpoint on the nodes left (the spare one
+    takes the lost one's place) and finishes with every step once."""
+    steps = 30
+    command = [sys.executable, "-m", "flows.cli", "train", f"trainer.ray.address={cluster.address}"]
+    command += two_ranks(run_overrides, tmp_path, 2, steps=steps)
+    run = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    database = tmp_path / "mlflow.db"
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and run.poll() is None:
+            if database.exists():
+                with sqlite3.connect(database) as db:
+                    trained = db.execute("select max(step) from metrics where key = 'actor/pg_loss'").fetchone()[0]
+                    nodes = db.execute("select value from tags where key = 'ppoflow.worker_nodes'").fetchone()
+                if trained is not None and trained >= 2 and nodes:
+                    break
+            time.sleep(0.2)
+        assert run.poll() is None and trained < steps, "the run ended before a node could be lost"
+        lost = nodes[0].split(",")[1]
+        [node] = [node for node in cluster.list_all_nodes() if node.node_id == lost]
+        cluster.remove_node(node)
+        lost_at = time.time()
+        output, log = run.communicate(timeout=240)
+    finally:
+        if run.poll() is None:
+            run.kill()
+        cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")  # the other tests' spare
+    assert run.returncode == 0, output[-3000:] + log[-3000:]
+    assert f"worker workers-rank1 on node {lost[:12]}, which has left the cluster died" in output + log
+    result = json.loads(output.strip().splitlines()[-1])
+    history = metric_history(result["tracking_uri"], result["run_id"])
+    assert {step: len(values) for step, values in history["actor/pg_loss"].items()} == dict.fromkeys(
+        range(1, steps + 1), 1
+    )
+    tags = MlflowClient(result["tracking_uri"]).get_run(result["run_id"]).data.tags
+    assert tags["ppoflow.worker_restarts"] == "1" and lost not in tags["ppoflow.worker_nodes"].split(",")
+    resumed = min(
+        point.timestamp
+        for point in MlflowClient(result["tracking_uri"]).get_metric_history(result["run_id"], "actor/pg_loss")
+        if point.timestamp / 1000 > lost_at
+    )
+    print(f"a node lost -> the next step trained: {resumed / 1000 - lost_at:.1f} s")
