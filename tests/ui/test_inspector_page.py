@@ -170,20 +170,26 @@ def test_the_timeline_shows_every_stage_that_ran(browser, server, store):
     assert labels == [*ran, "controller overhead (s)", "time per step (s)"]  # stacked in the order the stages run
 
 
+def legend_at_step(browser, box, step: int) -> dict[str, str]:
+    """The timeline's legend (label -> value shown) with the cursor on ``step``."""
+    rows = browser.execute_script(
+        "const u = arguments[0].uplot; u.setCursor({left: u.valToPos(arguments[1], 'x'), top: 10});"
+        "return [...arguments[0].querySelectorAll('.u-legend tr.u-series')].map("
+        "r => [r.querySelector('.u-label').textContent, r.querySelector('.u-value').textContent]);",
+        box,
+        step,
+    )
+    return dict(rows)
+
+
 def test_a_rollout_of_its_own_is_a_second_stream_beside_the_trainers(browser, server, store):
     open_page(browser, server, select_runs={store["two_streams"]})
     box = browser.find_element(By.CSS_SELECTOR, "#timeline .chart")
     labels = [s["label"] for s in browser.execute_script("return arguments[0].uplot.series", box)[1:]]
     assert labels[-3:] == ["controller overhead (s)", "rollout worker generating (s)", "time per step (s)"]
     for step, seconds in ROLLOUT_SECONDS.items():
-        shown = browser.execute_script(
-            "const u = arguments[0].uplot; u.setCursor({left: u.valToPos(arguments[1], 'x'), top: 10});"
-            "return [...arguments[0].querySelectorAll('.u-legend tr.u-series')].map("
-            "r => [r.querySelector('.u-label').textContent, r.querySelector('.u-value').textContent]);",
-            box,
-            step,
-        )
-        assert float(dict(shown)["rollout worker generating (s)"]) == pytest.approx(seconds, abs=1e-3)
+        shown = legend_at_step(browser, box, step)
+        assert float(shown["rollout worker generating (s)"]) == pytest.approx(seconds, abs=1e-3)
     # the two streams side by side: the rollout's bar right of the step's centre, the trainer's left of it
     columns = browser.execute_script(
         "const u = arguments[0].uplot, c = arguments[0].querySelector('canvas'), ctx = c.getContext('2d');"
@@ -201,14 +207,7 @@ def test_the_timeline_hover_shows_each_stage_own_seconds(browser, server, store)
     metrics = MlflowClient(store["uri"])
     box = browser.find_element(By.CSS_SELECTOR, "#timeline .chart")
     for step in (1, 2):
-        shown = browser.execute_script(
-            "const u = arguments[0].uplot; u.setCursor({left: u.valToPos(arguments[1], 'x'), top: 10});"
-            "return [...arguments[0].querySelectorAll('.u-legend tr.u-series')].map("
-            "r => [r.querySelector('.u-label').textContent, r.querySelector('.u-value').textContent]);",
-            box,
-            step,
-        )
-        values = dict(shown)
+        values = legend_at_step(browser, box, step)
         assert values["step"] == str(step)
         for label, value in values.items():
             if label.endswith(" (s)") and label not in ("controller overhead (s)", "time per step (s)"):
