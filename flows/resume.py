@@ -46,6 +46,7 @@ MAY_CHANGE_ON_RESUME = (
     "trainer.max_worker_restarts",
     "trainer.stage_retries",
     "trainer.worker_timeout_s",
+    "trainer.capacity_wait_s",
     "reward.timeout_s",
     # where things are: the services, the folders, the CPUs a worker gets
     "trainer.ray",

@@ -86,6 +86,7 @@ def resource_pool(config: DictConfig, section: str = "trainer") -> ResourcePool:
         [pool.n_gpus_per_node] * pool.nnodes,
         accelerator="GPU" if worker_device(config) == "cuda" else None,
         cpus_per_worker=cpus,
+        capacity_wait_s=config.trainer.capacity_wait_s,
     )
 
 
@@ -102,7 +103,9 @@ def build_rollout_workers(config: DictConfig, namespace: str) -> list[WorkerGrou
     timeout = config.trainer.worker_timeout_s
 
     def build(replica: int) -> WorkerGroup:
-        replica_pool = ResourcePool(f"{pool.name}{replica}", [1], pool.accelerator, pool.cpus_per_worker)
+        replica_pool = ResourcePool(
+            f"{pool.name}{replica}", [1], pool.accelerator, pool.cpus_per_worker, capacity_wait_s=pool.capacity_wait_s
+        )
         group = WorkerGroup.create(replica_pool, specs, f"{ROLLOUT_PREFIX}-{replica}", namespace, timeout)
         try:
             group.role("actor_rollout_ref").init_model(timeout_s=timeout, stage="init rollout")

@@ -8,6 +8,7 @@ Each worker's bundle is ``{GPU: 1, CPU: k}`` on a GPU cluster, ``{CPU: k}`` on a
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import ray
@@ -26,6 +27,7 @@ class ResourcePool:
     accelerator: str | None = None  # "GPU", a custom resource name, or None for CPU-only workers
     cpus_per_worker: float = 1.0
     max_colocate_count: int = 1
+    capacity_wait_s: float = 0.0  # how long create() waits for the cluster to have room (nodes joining) before refusing
     placement_groups: list[PlacementGroup] = field(default_factory=list)
 
     @property
@@ -50,8 +52,19 @@ class ResourcePool:
             )
 
     def create(self, namespace_prefix: str, timeout_s: float = 60.0, detached: bool = True) -> None:
-        """Reserve the bundles (one placement group per node, STRICT_PACK); waits up to ``timeout_s``."""
-        self.check_fits()
+        """Reserve the bundles (one placement group per node, STRICT_PACK); waits up to ``capacity_wait_s`` for nodes
+        that can hold them (a lost node replaced, an autoscaler adding one), then up to ``timeout_s`` for them to be
+        placed."""
+        deadline = time.monotonic() + self.capacity_wait_s
+        while True:
+            try:
+                self.check_fits()
+                break
+            except InsufficientResourcesError as error:
+                if time.monotonic() >= deadline:
+                    self._note_wait(error)
+                    raise
+                time.sleep(1.0)
         for node_index, count in enumerate(self.process_on_nodes):
             group = placement_group(
                 [self.bundle()] * count,
@@ -63,11 +76,20 @@ class ResourcePool:
             if not ready:
                 remove_placement_group(group)
                 self.remove()
+                try:  # the cluster has shrunk meanwhile (a node lost): say what it lacks
+                    self.check_fits()
+                except InsufficientResourcesError as error:
+                    self._note_wait(error)
+                    raise
                 raise InsufficientResourcesError(
                     f"resource pool {self.name!r}: node {node_index}'s {count} bundles {self.bundle()} were not placed "
                     f"within {timeout_s:.0f}s (are other runs holding the resources?)"
                 )
             self.placement_groups.append(group)
+
+    def _note_wait(self, error: InsufficientResourcesError) -> None:
+        if self.capacity_wait_s > 0:
+            error.add_note(f"waited {self.capacity_wait_s:g} s for room: trainer.capacity_wait_s")
 
     def slots(self) -> list[tuple[PlacementGroup, int, int]]:
         """(placement group, bundle index, local rank) for each worker, in global rank order."""

@@ -412,6 +412,9 @@ class TrainerConfig:
     # again); null = yes on a persistent cluster, no on the embedded one (a pending Prefect flow-run retry keeps them)
     keep_workers: bool | None = None
     worker_timeout_s: float = 600.0  # every remote call's timeout
+    # building workers (the start, a rebuild after a lost node) waits this long for the cluster to have room for them
+    # (a node replaced or added) before the run fails naming what is missing; 0 = refuse at once
+    capacity_wait_s: float = 0.0
     stage_retries: int = 1  # retries of idempotent stages (generate, log-probs, values) on transient errors
     # the flow run keeps the stage task runs of its last N steps in Prefect (older ones are deleted: Prefect's
     # database stays bounded on long runs); -1 = keep all

@@ -101,47 +101,125 @@ def test_a_rollout_of_its_own_lands_on_a_node_of_its_own(cluster, run_overrides,
     assert history["training/staleness_max"] == {1: [0.0], 2: [1.0]}
 
 
-def test_a_node_lost_mid_run_is_replaced_and_every_step_trains_once(cluster, run_overrides, tmp_path):
-    """The node of rank 1 leaves the cluster (its raylet and every process on it end) after step 2: the run says which
-    worker, node and stage were lost, rebuilds its workers from the latest checkpoint on the nodes left (the spare one
-    takes the lost one's place) and finishes with every step once."""
-    steps = 30
-    command = [sys.executable, "-m", "flows.cli", "train", f"trainer.ray.address={cluster.address}"]
-    command += two_ranks(run_overrides, tmp_path, 2, steps=steps)
+def run_losing_nodes(cluster, overrides: list[str], database, steps: int, spare: bool, back_after_s=None):
+    """``ppoflow train`` of ``steps`` steps on the cluster; once step 2 has trained, the node of rank 1 leaves the
+    cluster (its raylet and every process on it end), and with ``spare`` the spare node too (no room left); with
+    ``back_after_s`` a new node joins that much later. Returns (exit status, its result line or None, its output, the
+    lost node's id, when it was lost, when a node joined); the cluster has its three nodes again afterwards."""
+    command = [sys.executable, "-m", "flows.cli", "train", f"trainer.ray.address={cluster.address}", *overrides]
     run = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    database = tmp_path / "mlflow.db"
+    removed, joined_at, trained, nodes = 0, None, None, None
     try:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and run.poll() is None:
-            if database.exists():
+            try:
                 with sqlite3.connect(database) as db:
                     trained = db.execute("select max(step) from metrics where key = 'actor/pg_loss'").fetchone()[0]
                     nodes = db.execute("select value from tags where key = 'ppoflow.worker_nodes'").fetchone()
-                if trained is not None and trained >= 2 and nodes:
-                    break
+            except sqlite3.OperationalError:  # MLflow has not made its tables yet
+                trained, nodes = None, None
+            if trained is not None and trained >= 2 and nodes:
+                break
             time.sleep(0.2)
-        assert run.poll() is None and trained < steps, "the run ended before a node could be lost"
+        assert run.poll() is None and trained is not None, "the run ended before a node could be lost"
         lost = nodes[0].split(",")[1]
-        [node] = [node for node in cluster.list_all_nodes() if node.node_id == lost]
-        cluster.remove_node(node)
+        workers = set(nodes[0].split(","))
+        doomed = [node for node in cluster.list_all_nodes() if node.node_id == lost]
+        doomed += [node for node in cluster.list_all_nodes() if spare and node.node_id not in workers and not node.head]
+        for node in doomed:
+            cluster.remove_node(node)
+            removed += 1
         lost_at = time.time()
+        if back_after_s is not None:
+            time.sleep(back_after_s)
+            cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+            removed, joined_at = removed - 1, time.time()
         output, log = run.communicate(timeout=240)
     finally:
         if run.poll() is None:
             run.kill()
-        cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")  # the other tests' spare
-    assert run.returncode == 0, output[-3000:] + log[-3000:]
-    assert f"worker workers-rank1 on node {lost[:12]}, which has left the cluster died" in output + log
-    result = json.loads(output.strip().splitlines()[-1])
+            subprocess.run([sys.executable, "-c", KILL_RUNS, cluster.address], cwd=ROOT, capture_output=True)
+        for _ in range(removed):  # the other tests' nodes
+            cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+    result = json.loads(output.strip().splitlines()[-1]) if run.returncode == 0 else None
+    return run.returncode, result, output + log, lost, lost_at, joined_at
+
+
+def first_step_after(result: dict, moment: float) -> float:
+    """When the first step after ``moment`` (a Unix time) logged its loss."""
+    history = MlflowClient(result["tracking_uri"]).get_metric_history(result["run_id"], "actor/pg_loss")
+    return min(point.timestamp / 1000 for point in history if point.timestamp / 1000 > moment)
+
+
+def assert_every_step_once_after_one_rebuild(result: dict, output: str, lost: str, steps: int) -> None:
+    assert f"worker workers-rank1 on node {lost[:12]}, which has left the cluster died" in output
     history = metric_history(result["tracking_uri"], result["run_id"])
-    assert {step: len(values) for step, values in history["actor/pg_loss"].items()} == dict.fromkeys(
-        range(1, steps + 1), 1
-    )
+    trained = {step: len(values) for step, values in history["actor/pg_loss"].items()}
+    assert trained == dict.fromkeys(range(1, steps + 1), 1)
     tags = MlflowClient(result["tracking_uri"]).get_run(result["run_id"]).data.tags
     assert tags["ppoflow.worker_restarts"] == "1" and lost not in tags["ppoflow.worker_nodes"].split(",")
-    resumed = min(
-        point.timestamp
-        for point in MlflowClient(result["tracking_uri"]).get_metric_history(result["run_id"], "actor/pg_loss")
-        if point.timestamp / 1000 > lost_at
+
+
+def test_a_node_lost_mid_run_is_replaced_and_every_step_trains_once(cluster, run_overrides, tmp_path):
+    """The node of rank 1 is lost after step 2: the run says which worker, node and stage were lost, rebuilds its
+    workers from the latest checkpoint on the nodes left (the spare takes the lost one's place) and finishes with
+    every step once."""
+    steps = 20
+    overrides = two_ranks(run_overrides, tmp_path, 2, steps=steps)
+    status, result, output, lost, lost_at, _ = run_losing_nodes(
+        cluster, overrides, tmp_path / "mlflow.db", steps, spare=False
     )
-    print(f"a node lost -> the next step trained: {resumed / 1000 - lost_at:.1f} s")
+    assert status == 0, output[-3000:]
+    assert_every_step_once_after_one_rebuild(result, output, lost, steps)
+    print(f"a node lost -> the next step trained: {first_step_after(result, lost_at) - lost_at:.1f} s")
+
+
+def test_with_no_room_left_the_rebuild_waits_for_a_node(cluster, run_overrides, tmp_path):
+    """Rank 1's node and the spare are lost: the rebuild waits (trainer.capacity_wait_s) until a node joins, 4 s
+    later, and the run finishes with every step once."""
+    steps = 20
+    overrides = two_ranks(run_overrides, tmp_path, 2, "trainer.capacity_wait_s=120", steps=steps)
+    status, result, output, lost, _, joined_at = run_losing_nodes(
+        cluster, overrides, tmp_path / "mlflow.db", steps, spare=True, back_after_s=4
+    )
+    assert status == 0, output[-3000:]
+    assert_every_step_once_after_one_rebuild(result, output, lost, steps)
+    assert first_step_after(result, joined_at - 4) > joined_at  # no step between the loss and the new node
+
+
+def test_when_no_room_comes_back_the_run_fails_in_one_line_leaving_nothing(cluster, run_overrides, tmp_path):
+    steps = 20
+    overrides = two_ranks(
+        run_overrides, tmp_path, 2, "trainer.capacity_wait_s=3", "trainer.worker_timeout_s=20", steps=steps
+    )
+    status, _, output, _, _, _ = run_losing_nodes(cluster, overrides, tmp_path / "mlflow.db", steps, spare=True)
+    assert status != 0
+    failure = [line for line in output.splitlines() if line.startswith("ppoflow train: ")][-1]  # its last word
+    assert (
+        "resource pool 'global_pool' needs 2 node(s) with 1 CPU, 1 CPU; the cluster's nodes have CPU: 1, 0" in failure
+    )
+    assert "(waited 3 s for room: trainer.capacity_wait_s)" in failure
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    [run] = client.search_runs([client.get_experiment_by_name("ppoflow").experiment_id])
+    assert run.info.status == "FAILED"
+    namespace = run.data.tags["ppoflow.workers_namespace"]
+    listing = subprocess.run(
+        [sys.executable, "-c", LIST_ACTORS, cluster.address, namespace], cwd=ROOT, capture_output=True, text=True
+    )
+    assert listing.returncode == 0 and json.loads(listing.stdout.strip().splitlines()[-1]) == []
+
+
+LIST_ACTORS = """
+import json, sys, ray
+from infra.cluster import connect
+connect(sys.argv[1])
+print(json.dumps([a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == sys.argv[2]]))
+"""
+KILL_RUNS = """
+import sys, ray
+from infra.cluster import connect
+from flows.workers import kill_worker_group
+connect(sys.argv[1])
+for namespace in {a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True)}:
+    kill_worker_group(namespace)
+"""
