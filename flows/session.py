@@ -249,7 +249,7 @@ class TrainingSession:
                 self.rollout_groups = build_rollout_workers(self.config, self.group.namespace)
                 count = len(self.rollout_groups)
                 self.view.log(f"set-up: the rollout's own {count} worker(s) {time.perf_counter() - started:.1f} s")
-                nodes = [r["node"] for group in self.rollout_groups for r in group.health(self.timeout)]
+                nodes = [node for group in self.rollout_groups for node in group.nodes.values()]  # seen at creation
                 self.tracker.set_tags({"ppoflow.rollout_nodes": ",".join(nodes)})
             self.workers.separate_rollout = SeparateRollout(
                 self.workers.actor,
