@@ -101,9 +101,12 @@ def test_a_rollout_of_its_own_lands_on_a_node_of_its_own(cluster, run_overrides,
     assert history["training/staleness_max"] == {1: [0.0], 2: [1.0]}
 
 
-def run_losing_nodes(cluster, overrides: list[str], database, steps: int, spare: bool, back_after_s=None):
+def run_losing_nodes(
+    cluster, overrides: list[str], database, steps: int, spare: bool, back_after_s=None, lose=("worker_nodes", 1)
+):
     """``ppoflow train`` of ``steps`` steps on the cluster; once step 2 has trained, the node of rank 1 leaves the
-    cluster (its raylet and every process on it end), and with ``spare`` the spare node too (no room left); with
+    cluster (its raylet and every process on it end; ``lose``: the tag ``ppoflow.<name>`` and the index of the node in
+    it), and with ``spare`` the spare node too (no room left); with
     ``back_after_s`` a new node joins that much later. Returns (exit status, its result line or None, its output, the
     lost node's id, when it was lost, when a node joined); the cluster has its three nodes again afterwards."""
     command = [sys.executable, "-m", "flows.cli", "train", f"trainer.ray.address={cluster.address}", *overrides]
@@ -115,14 +118,14 @@ def run_losing_nodes(cluster, overrides: list[str], database, steps: int, spare:
             try:
                 with sqlite3.connect(database) as db:
                     trained = db.execute("select max(step) from metrics where key = 'actor/pg_loss'").fetchone()[0]
-                    nodes = db.execute("select value from tags where key = 'ppoflow.worker_nodes'").fetchone()
+                    nodes = db.execute(f"select value from tags where key = 'ppoflow.{lose[0]}'").fetchone()
             except sqlite3.OperationalError:  # MLflow has not made its tables yet
                 trained, nodes = None, None
             if trained is not None and trained >= 2 and nodes:
                 break
             time.sleep(0.2)
         assert run.poll() is None and trained is not None, "the run ended before a node could be lost"
-        lost = nodes[0].split(",")[1]
+        lost = nodes[0].split(",")[lose[1]]
         workers = set(nodes[0].split(","))
         doomed = [node for node in cluster.list_all_nodes() if node.node_id == lost]
         doomed += [node for node in cluster.list_all_nodes() if spare and node.node_id not in workers and not node.head]
@@ -172,6 +175,29 @@ def test_a_node_lost_mid_run_is_replaced_and_every_step_trains_once(cluster, run
     assert status == 0, output[-3000:]
     assert_every_step_once_after_one_rebuild(result, output, lost, steps)
     print(f"a node lost -> the next step trained: {first_step_after(result, lost_at) - lost_at:.1f} s")
+
+
+def test_the_rollouts_node_lost_in_an_asynchronous_run_is_replaced_and_the_trainer_goes_on(
+    cluster, run_overrides, tmp_path
+):
+    """One step off, the rollout on a node of its own: that node is lost after step 2. Only the rollout's worker is
+    rebuilt (on the spare node), the trainer's stays, and every step trains once."""
+    steps = 12
+    overrides = two_ranks(run_overrides, tmp_path, 1, "rollout.n_gpus_per_node=1", "async_training.mode=one_step_off")
+    overrides = [*overrides, "trainer.n_gpus_per_node=1", f"trainer.total_training_steps={steps}"]
+    status, result, output, lost, lost_at, _ = run_losing_nodes(
+        cluster, overrides, tmp_path / "mlflow.db", steps, spare=False, lose=("rollout_nodes", 0)
+    )
+    assert status == 0, output[-3000:]
+    assert f"on node {lost[:12]}, which has left the cluster died" in output
+    assert "rebuilding the rollout's own worker, the trainer goes on" in output
+    history = metric_history(result["tracking_uri"], result["run_id"])
+    assert {step: len(values) for step, values in history["actor/pg_loss"].items()} == dict.fromkeys(
+        range(1, steps + 1), 1
+    )
+    tags = MlflowClient(result["tracking_uri"]).get_run(result["run_id"]).data.tags
+    assert lost not in tags["ppoflow.rollout_nodes"].split(",") + tags["ppoflow.worker_nodes"].split(",")
+    print(f"the rollout's node lost -> the next step trained: {first_step_after(result, lost_at) - lost_at:.1f} s")
 
 
 def test_with_no_room_left_the_rebuild_waits_for_a_node(cluster, run_overrides, tmp_path):
