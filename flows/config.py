@@ -23,6 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from flows.secrets import redact_text
 from rl_core.config import ConfigValueError, PPOTrainerConfig, check_config
+from rl_core.remote_folder import is_remote
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 CONFIG_NAME = "ppo_trainer"
@@ -141,6 +142,7 @@ PATH_KEYS = (
     "custom_reward_function.path",
     "trainer.cache_dir",
     "trainer.default_local_dir",
+    "trainer.checkpoint_cache_dir",
     "trainer.resume_from_path",
     "trainer.artifact_location",
     "actor_rollout_ref.rollout.multi_turn.tool_config_path",
@@ -153,7 +155,7 @@ def absolute_paths(config: DictConfig) -> None:
     relative SQLite tracking URI too: the workers run elsewhere (on a persistent cluster, in the cluster's folder)."""
 
     def absolute(path: str) -> str:
-        return str(Path(path).expanduser().absolute())
+        return path if is_remote(path) else str(Path(path).expanduser().absolute())
 
     for key in PATH_KEYS:
         value = OmegaConf.select(config, key)

@@ -1,10 +1,10 @@
 """The evaluate flow: a trained policy on a validation set, greedy and sampled, in an MLflow run of its own.
 
-The policy is a step checkpoint (``.../global_step_N`` or its ``actor`` folder) or a registered MLflow model version
-(``models:/<name>/<version>``). Its training run (recorded in the checkpoint, or the version's run) gives the config
-the evaluation starts from — model, data, prompt and reward settings — and ``overrides`` change it (another
-``data.val_files``, ``custom_reward_function.path``, ...). Two validation passes with the training run's own code
-(:func:`rl_core.ppo_step.run_validation`):
+The policy is a step checkpoint (``.../global_step_N`` or its ``actor`` folder, a local one or at a URL, ``s3://...``)
+or a registered MLflow model version (``models:/<name>/<version>``). Its training run (recorded in the checkpoint, or
+the version's run) gives the config the evaluation starts from — model, data, prompt and reward settings — and
+``overrides`` change it (another ``data.val_files``, ``custom_reward_function.path``, ...). Two validation passes with
+the training run's own code (:func:`rl_core.ppo_step.run_validation`):
 
 * greedy (one response per prompt): ``val-core/<data_source>/acc/mean@1``, the metric training logs, so a
   checkpoint's evaluation reproduces its run's validation at that step;
@@ -38,9 +38,10 @@ from rl_core.agent.tools.registry import tool_schemas
 from rl_core.data.dataset import RLDataset
 from rl_core.models.loading import load_policy_tokenizer
 from rl_core.ppo_step import StepWorkers, run_validation
+from rl_core.remote_folder import RemoteFolder, RemoteStorageError, is_remote
 from rl_core.reward.custom import load_custom_reward_function
 from rl_core.reward.manager import RewardManager, build_reward_manager
-from rl_core.step_checkpoint import STATE_FILE
+from rl_core.step_checkpoint import STATE_FILE, damage
 
 
 class EvaluationSourceError(ValueError):
@@ -69,6 +70,16 @@ def resolve_source(source: str, client: MlflowClient, download_to: Path) -> tupl
         )
         step = max((m.step for m in client.get_metric_history(model_version.run_id, "training/global_step")), default=0)
         return folder, model_version.run_id, step
+    if is_remote(source):  # a step checkpoint at a URL: read back into download_to, checked against its manifest
+        parent, _, name = source.rstrip("/").removesuffix("/actor").rpartition("/")
+        try:
+            RemoteFolder(parent).download(name, download_to / name)
+        except RemoteStorageError as error:
+            raise EvaluationSourceError(str(error)) from None
+        problem = damage(download_to / name)
+        if problem:
+            raise EvaluationSourceError(f"{source!r}: {problem}; evaluate another global_step_N")
+        source = str(download_to / name)
     folder = Path(source).expanduser().resolve()
     checkpoint = folder if (folder / STATE_FILE).is_file() else folder.parent
     if not (checkpoint / STATE_FILE).is_file() or not (checkpoint / "actor").is_dir():

@@ -31,7 +31,7 @@ from omegaconf import DictConfig
 from flows.demo import apply_embedded_defaults
 from flows.resume import config_record, starts_fresh, workers_config_digest
 from infra.cluster import connected
-from rl_core.step_checkpoint import PRESTART_MARK, StepCheckpoints
+from rl_core.step_checkpoint import PRESTART_MARK, StepCheckpoints, run_checkpoints
 
 
 @dataclass
@@ -65,7 +65,7 @@ def prestart(config: DictConfig) -> None:
     global _prestarted
     if _prestarted is not None or not starts_fresh(config):
         return
-    _prestarted = Prestarted(Path(config.trainer.default_local_dir))
+    _prestarted = Prestarted(run_checkpoints(config.trainer).root)
     thread = threading.Thread(target=_make, args=(_prestarted, copy.deepcopy(config)), name="ppoflow-prestart")
     thread.daemon = True
     thread.start()

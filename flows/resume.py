@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 
 from flows.config import flatten
 from flows.secrets import redacted
-from rl_core.step_checkpoint import CheckpointError, StepCheckpoints
+from rl_core.step_checkpoint import CheckpointError, StepCheckpoints, run_checkpoints
 
 # Keys (or key prefixes) a resumed run may change without trainer.resume_allow_config_change.
 MAY_CHANGE_ON_RESUME = (
@@ -155,7 +155,7 @@ def resume_folder(config: DictConfig, checkpoints: StepCheckpoints, log: Callabl
             raise CheckpointError(
                 "trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_N folder)"
             )
-        folder = Path(config.trainer.resume_from_path)
+        folder = checkpoints.local_folder(config.trainer.resume_from_path)
         checkpoints.check_intact(folder)
         return folder
     step, damaged = checkpoints.latest_intact()
@@ -215,9 +215,7 @@ def finished_result(point: ResumePoint, tracking_uri: str, metrics: dict[str, fl
 def starts_fresh(config: DictConfig) -> bool:
     """A run with no checkpoint to resume from (``resume_mode=disable``, or no ``latest`` pointer in its folder)."""
     mode = config.trainer.resume_mode
-    return mode == "disable" or (
-        mode == "auto" and StepCheckpoints(config.trainer.default_local_dir).pointer_step() is None
-    )
+    return mode == "disable" or (mode == "auto" and run_checkpoints(config.trainer).pointer_step() is None)
 
 
 def check_resume(config: DictConfig) -> dict[str, Any] | None:
@@ -232,7 +230,7 @@ def check_resume(config: DictConfig) -> dict[str, Any] | None:
 
     config = copy.deepcopy(config)
     apply_embedded_defaults(config, log=lambda line: None)  # the demo's paths, as the run will record them
-    point = find_resume_point(config, StepCheckpoints(config.trainer.default_local_dir), log=lambda line: None)
+    point = find_resume_point(config, run_checkpoints(config.trainer), log=lambda line: None)
     if point is None:
         return None
     uri = tracking_uri(config)

@@ -64,7 +64,7 @@ from rl_core.data.sampler import ResumableSampler
 from rl_core.ppo_step import StepWorkers, generation_on, retry_safe_stages, run_ppo_step, run_validation
 from rl_core.rollout_schedule import GenerationWindow
 from rl_core.separate_rollout import SeparateRollout
-from rl_core.step_checkpoint import CheckpointError, FolderLock, StepCheckpoints
+from rl_core.step_checkpoint import CheckpointError, FolderLock, run_checkpoints
 
 
 @dataclass
@@ -110,7 +110,7 @@ class TrainingSession:
         self.config, self.inputs, self.tags = config, inputs, tags
         self.progress = Progress.fresh(config, len(inputs.train_data))
         self.total_steps = plan_steps(config, len(inputs.train_data))
-        self.checkpoints = StepCheckpoints(config.trainer.default_local_dir, config.trainer.max_ckpt_to_keep)
+        self.checkpoints = run_checkpoints(config.trainer)
         self.view = PrefectRunView(config.trainer.prefect_history_steps)
         self.timeout = config.trainer.worker_timeout_s
         self.run_stage = StageRunner(config.trainer.stage_retries, retry_safe_stages(config))
@@ -411,10 +411,8 @@ class TrainingSession:
         }
         self.tracker.flush()  # every step the checkpoint holds is in MLflow before the checkpoint exists
         folder = self.checkpoints.commit(self.progress.global_step, state)
-        latest = {
-            "checkpoint/latest": folder.resolve(),
-            f"checkpoint/global_step_{self.progress.global_step}": folder.resolve(),
-        }
+        address = self.checkpoints.address(self.progress.global_step)
+        latest = {"checkpoint/latest": address, f"checkpoint/global_step_{self.progress.global_step}": address}
         self.tracker.set_tags(latest)
         return folder
 
@@ -446,7 +444,7 @@ class TrainingSession:
             "tracking_uri": tracking_uri(self.config),
             "run_id": self.tracker.run_id,
             "step": self.progress.global_step,
-            "checkpoint_dir": str(self.checkpoints.step_dir(self.total_steps).resolve()),
+            "checkpoint_dir": self.checkpoints.address(self.total_steps),
             "val_metrics": self.val_metrics,
         }
 

@@ -47,6 +47,8 @@ from flows.parameters import hydra_value
 from flows.prefect_view import PrefectRunView, mlflow_run_url, one_line
 from flows.tracking import experiment_id, metric_key, open_store, tracking_uri
 from flows.train import train
+from rl_core.remote_folder import is_remote
+from rl_core.step_checkpoint import run_checkpoints
 
 TRAIN_DEPLOYMENT = "ppoflow-train/train"
 SCORE_METRIC = "critic/score/mean"
@@ -152,7 +154,7 @@ def optuna_storage(config: DictConfig) -> str:
     folder = (
         Path(uri.removeprefix("sqlite:///")).parent
         if uri.startswith("sqlite:///")
-        else Path(config.trainer.default_local_dir)
+        else run_checkpoints(config.trainer).root  # a URL's: its local copy
     )
     folder = folder.expanduser().resolve()
     folder.mkdir(parents=True, exist_ok=True)
@@ -226,12 +228,12 @@ class ParentRun:
 
     def child_overrides(self, config: DictConfig, index: int) -> list[str]:
         """What the sweep sets for child ``index``: its run name, its own checkpoint folder, the same store."""
-        folder = (
-            Path(config.trainer.default_local_dir).expanduser().resolve() / "sweeps" / self.run_id / f"child-{index}"
-        )
+        parent = config.trainer.default_local_dir
+        parent = parent.rstrip("/") if is_remote(parent) else str(Path(parent).expanduser().resolve())
+        folder = f"{parent}/sweeps/{self.run_id}/child-{index}"
         return [
             f"trainer.experiment_name={hydra_value(f'{self.name}-{index}')}",
-            f"trainer.default_local_dir={hydra_value(str(folder))}",
+            f"trainer.default_local_dir={hydra_value(folder)}",
             f"trainer.tracking_uri={hydra_value(self.uri)}",
             "trainer.resume_mode=auto",
         ]

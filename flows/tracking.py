@@ -28,7 +28,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
-from flows.config import flatten
+from flows.config import SQLITE, flatten
 from flows.secrets import REDACTED, redact_text, redacted, split_secret_overrides
 from rl_core.checkpoint import TRAINING_STATE_FILE
 from rl_core.config import TrainerConfig
@@ -72,11 +72,16 @@ def open_store(uri: str) -> MlflowClient:
 
 
 def experiment_id(client: MlflowClient, config: DictConfig) -> str:
-    """The id of the experiment ``trainer.project_name``, created (artifacts under ``trainer.artifact_location``) if
-    new, and marked as model training (:data:`EXPERIMENT_KIND`)."""
+    """The id of the experiment ``trainer.project_name``, created if new (its artifacts under
+    ``trainer.artifact_location``, else where its store keeps them: a tracking server's artifact store, ``mlartifacts/``
+    beside a SQLite file), and marked as model training (:data:`EXPERIMENT_KIND`)."""
     experiment = client.get_experiment_by_name(config.trainer.project_name)
     if experiment is None:
-        location = Path(config.trainer.artifact_location).expanduser().resolve().as_uri()
+        folder = config.trainer.artifact_location
+        uri = client.tracking_uri
+        if folder is None and uri.startswith(SQLITE):
+            folder = Path(uri.removeprefix(SQLITE)).expanduser().resolve().parent / "mlartifacts"
+        location = Path(folder).expanduser().resolve().as_uri() if folder is not None else None
         return client.create_experiment(
             config.trainer.project_name, artifact_location=location, tags=dict([EXPERIMENT_KIND])
         )

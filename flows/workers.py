@@ -12,7 +12,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -24,6 +23,7 @@ from infra.worker_group import WorkerGroup, placement_group_prefix
 from rl_core.config import use_critic, use_reference
 from rl_core.device import resolve_device
 from rl_core.ppo_step import StepWorkers
+from rl_core.step_checkpoint import run_checkpoints
 from rl_core.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
 
 PREFIX = "workers"
@@ -37,7 +37,7 @@ def workers_namespace(config: DictConfig) -> str:
     """The Ray namespace of a training run's workers, named after its checkpoint folder: known before the run's MLflow
     run exists (so the workers can start first, flows/prestart.py) and the same for every controller of the run (one
     at a time: the folder's lock). The MLflow run id is recorded beside it: the group's label, the run's tag."""
-    folder = Path(config.trainer.default_local_dir).expanduser().resolve()
+    folder = run_checkpoints(config.trainer).root.expanduser().resolve()  # a URL's: its local copy
     return NAMESPACE_PREFIX + hashlib.sha256(str(folder).encode()).hexdigest()[:16]
 
 

@@ -1,5 +1,7 @@
 """The persistent local stack behind ``ppoflow up / down / status``: a Prefect server, an MLflow tracking server and a
-Ray head, all on 127.0.0.1, their data in one folder.
+Ray head, all on 127.0.0.1, their data in one folder. Their stores: SQLite files and a local artifact folder (the
+``sqlite`` backend, the default), or PostgreSQL and an S3-compatible store that ``up`` starts too (``postgres``:
+infra/team_backend.py).
 
 ``up`` starts each service as its own process group (so that ``down`` stops exactly what ``up`` started, and
 nothing else), records them in ``$PPOFLOW_HOME/stack.json`` (default ``~/.ppoflow``) and waits until each
@@ -30,11 +32,15 @@ from pathlib import Path
 
 import httpx
 
+from infra import team_backend
 from infra.ray_settings import INLINE_OBJECTS_ENV, LOCAL_CLUSTER_ENV, LOOPBACK_ENV, secure_auth_token
 from infra.watchdog import all_stats, stat
 
 HOST = "127.0.0.1"
 DEFAULT_PORTS = {"prefect": 4200, "mlflow": 5000, "ray": 6379}
+# the postgres backend's stores, started (and answering) before the servers that use them
+STORE_PORTS = {"postgres": 5432, "s3": 9000}
+BACKENDS = ("sqlite", "postgres")
 START_TIMEOUT_S = 180.0
 # ports Ray keeps for itself by default: its client server (10001) and its workers (10002-19999, `ray start
 # --min-worker-port/--max-worker-port`); a service there fails, or makes a Ray worker fail later
@@ -79,7 +85,7 @@ class Service:
         return bool(self.members())
 
     def answers(self, timeout_s: float = 3.0) -> bool:
-        if self.name == "ray":
+        if self.name in ("ray", "postgres", "s3"):
             return port_open(self.port, timeout_s)
         path = "/api/health" if self.name == "prefect" else "/health"
         try:
@@ -88,17 +94,26 @@ class Service:
             return False
 
 
+def service_ports(backend: str) -> dict[str, int]:
+    """The services of a backend's stack and their default ports, in the order they start."""
+    return {**(STORE_PORTS if backend == "postgres" else {}), **DEFAULT_PORTS}
+
+
 @dataclass
 class Stack:
     data_dir: str
     services: dict[str, Service] = field(default_factory=dict)
+    backend: str = "sqlite"
 
     def env(self) -> dict[str, str]:
-        """What a shell (or ``ppoflow train``) needs to use the stack."""
+        """What a shell (or ``ppoflow train``) needs to use the stack: on the postgres backend, the S3 store's endpoint
+        and keys too (checkpoints at ``trainer.default_local_dir=s3://ppoflow/...``)."""
+        store = team_backend.s3_env(Path(self.data_dir), self.services["s3"].port) if "s3" in self.services else {}
         return {
             "PREFECT_API_URL": self.services["prefect"].url,
             "MLFLOW_TRACKING_URI": self.services["mlflow"].url,
             "RAY_ADDRESS": f"{HOST}:{self.services['ray'].port}",
+            **store,
         }
 
     def save(self) -> None:
@@ -114,7 +129,8 @@ class Stack:
         if not path.exists():
             return None
         raw = json.loads(path.read_text())
-        return cls(raw["data_dir"], {name: Service(**service) for name, service in raw["services"].items()})
+        services = {name: Service(**service) for name, service in raw["services"].items()}
+        return cls(raw["data_dir"], services, raw.get("backend", "sqlite"))
 
 
 def port_open(port: int, timeout_s: float = 1.0) -> bool:
@@ -153,8 +169,16 @@ def _tool(name: str) -> str:
     return shutil.which(name, path=os.path.dirname(sys.executable)) or name
 
 
-def service_command(name: str, port: int, data: Path) -> tuple[list[str], dict[str, str], str]:
-    """(command, extra environment, URL) of one service, its data under ``data``."""
+def service_command(
+    name: str, port: int, data: Path, stores: dict[str, int] | None = None
+) -> tuple[list[str], dict[str, str], str]:
+    """(command, extra environment, URL) of one service, its data under ``data``; ``stores``: the ports of the
+    postgres backend's PostgreSQL and S3 store (None: the sqlite backend)."""
+    if name == "postgres":
+        return team_backend.postgres_command(port, data)
+    if name == "s3":
+        return team_backend.s3_command(port, data)
+    team = team_backend.server_env(data, stores["postgres"], stores["s3"]) if stores else {}
     if name == "prefect":
         url = f"http://{HOST}:{port}/api"
         env = {
@@ -164,9 +188,15 @@ def service_command(name: str, port: int, data: Path) -> tuple[list[str], dict[s
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
             "PREFECT_API_URL": url,
             **{key: os.environ.get(key, value) for key, value in PREFECT_SERVER_SETTINGS.items()},
+            **team.get("prefect", {}),
         }
         return [_tool("prefect"), "server", "start", "--host", HOST, "--port", str(port)], env, url
     if name == "mlflow":
+        store, artifacts = (
+            (team_backend.database_url("postgresql+psycopg", stores["postgres"], "mlflow"), team_backend.ARTIFACTS)
+            if stores
+            else (f"sqlite:///{data / 'mlflow.db'}", str(data / "mlartifacts"))
+        )
         command = [
             _tool("mlflow"),
             "server",
@@ -177,11 +207,12 @@ def service_command(name: str, port: int, data: Path) -> tuple[list[str], dict[s
             "--workers",
             "1",
             "--backend-store-uri",
-            f"sqlite:///{data / 'mlflow.db'}",
+            store,
             "--artifacts-destination",
-            str(data / "mlartifacts"),
+            artifacts,
         ]
-        return command, {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}, f"http://{HOST}:{port}"
+        env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **team.get("mlflow", {})}
+        return command, env, f"http://{HOST}:{port}"
     if name == "ray":
         command = [
             _tool("ray"),
@@ -212,9 +243,9 @@ def check_port(name: str, port: int) -> None:
 SERVICE_PROCESSES: dict[int, subprocess.Popen] = {}  # the services this process started
 
 
-def start_service(name: str, port: int, data: Path) -> Service:
+def start_service(name: str, port: int, data: Path, stores: dict[str, int] | None = None) -> Service:
     check_port(name, port)
-    command, env, url = service_command(name, port, data)
+    command, env, url = service_command(name, port, data, stores)
     logs = data / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     log = logs / f"{name}.log"
@@ -227,10 +258,17 @@ def start_service(name: str, port: int, data: Path) -> Service:
             stdin=subprocess.DEVNULL,
             start_new_session=True,
             cwd=data,
-            preexec_fn=(lambda: os.nice(LOWEST_PRIORITY)) if name == "prefect" else None,
+            preexec_fn=_preexec(name),
         )
     SERVICE_PROCESSES[process.pid] = process  # polled while it starts: an exit is reaped, not left a zombie
     return Service(name, process.pid, port, url, str(log), started=stat(process.pid)[3])
+
+
+def _preexec(name: str):
+    """Prefect's server at the lowest CPU priority; PostgreSQL as its own user when this process is root."""
+    if name == "prefect":
+        return lambda: os.nice(LOWEST_PRIORITY)
+    return team_backend.as_user(team_backend.server_user()) if name == "postgres" else None
 
 
 def lower_priority(pid: int) -> None:
@@ -278,33 +316,49 @@ def last_error_line(path: str) -> str:
     return (errors or lines or ["(its log is empty)"])[-1][:500]
 
 
-def up(data_dir: str | Path | None = None, ports: dict[str, int] | None = None) -> tuple[Stack, list[str]]:
-    """Start what is not running (idempotent); returns the stack and the names of the services started now."""
+def up(
+    data_dir: str | Path | None = None, ports: dict[str, int] | None = None, backend: str | None = None
+) -> tuple[Stack, list[str]]:
+    """Start what is not running (idempotent); returns the stack and the names of the services started now.
+    ``backend``: ``sqlite`` or ``postgres`` (default: the recorded stack's, else sqlite)."""
     existing = Stack.load()
+    backend = backend or (existing.backend if existing else "sqlite")
+    if backend not in BACKENDS:
+        raise RuntimeError(f"backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    if existing is not None and existing.backend != backend and any(s.alive() for s in existing.services.values()):
+        raise RuntimeError(
+            f"the stack runs on the {existing.backend} backend: `ppoflow down` first, then ppoflow up "
+            f"--backend {backend}"
+        )
     data = Path(data_dir or (existing.data_dir if existing else stack_home() / "data")).expanduser().resolve()
     data.mkdir(parents=True, exist_ok=True)
-    stack = Stack(str(data))
-    wanted = {**DEFAULT_PORTS, **(ports or {})}
+    stack = Stack(str(data), backend=backend)
+    wanted = {**service_ports(backend), **(ports or {})}
     for name, port in wanted.items():  # every port checked before anything starts
         service = existing.services.get(name) if existing else None
         if service is None or not service.alive():
             check_port(name, port)
     started: list[Service] = []
+    stores = None
     try:
         for name, port in wanted.items():
+            if name == "prefect" and backend == "postgres":  # the stores answer before the servers using them start
+                wait_until_answering(started)
+                stores = {store: stack.services[store].port for store in STORE_PORTS}
+                team_backend.prepare(data, stores["postgres"], stores["s3"])
             service = existing.services.get(name) if existing else None
             if service is not None and service.alive() and service.answers():
                 stack.services[name] = service
                 continue
             if service is not None and service.alive():  # running but not answering: replace it
                 stop_service(service)
-            stack.services[name] = start_service(name, port, data)
+            stack.services[name] = start_service(name, port, data, stores)
             started.append(stack.services[name])
-        stack.save()
+            stack.save()
         wait_until_answering(started)
         secure_auth_token()
     except BaseException:
-        for service in started:
+        for service in reversed(started):
             stop_service(service)
         if existing is None:
             state_file().unlink(missing_ok=True)
@@ -340,7 +394,7 @@ def down() -> list[str]:
     stack = Stack.load()
     if stack is None:
         return []
-    for service in stack.services.values():
+    for service in reversed(stack.services.values()):  # the stores last: the servers using them end first
         stop_service(service)
     state_file().unlink(missing_ok=True)
     return list(stack.services)
@@ -349,6 +403,6 @@ def down() -> list[str]:
 def active_stack() -> Stack | None:
     """The recorded stack when every service answers, else None."""
     stack = Stack.load()
-    if stack is None or set(stack.services) != set(DEFAULT_PORTS):
+    if stack is None or set(stack.services) != set(service_ports(stack.backend)):
         return None
     return stack if all(service.answers(timeout_s=2.0) for service in stack.services.values()) else None

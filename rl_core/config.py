@@ -398,7 +398,10 @@ class TrainerConfig:
     test_freq: int = 25  # validate every N steps (and after the last); -1 = never
     save_freq: int = 25  # checkpoint every N steps (and after the last); -1 = never
     max_ckpt_to_keep: int | None = 2  # null = keep all
+    # a folder, or a URL of remote storage (s3://bucket/prefix: the `team` extra), worked on in a local copy under
+    # checkpoint_cache_dir (rl_core/step_checkpoint.py)
     default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"
+    checkpoint_cache_dir: str = "~/.cache/ppoflow/checkpoints"
     resume_mode: str = "auto"  # auto | disable | resume_path
     resume_from_path: str | None = None  # a global_step_N folder, with resume_mode=resume_path
     # a resume under a config other than its checkpoint's (flows/resume.py lists what may change without it): refused
@@ -420,7 +423,9 @@ class TrainerConfig:
     # database stays bounded on long runs); -1 = keep all
     prefect_history_steps: int = 1000
     tracking_uri: str = "sqlite:///mlflow.db"  # MLFLOW_TRACKING_URI wins when set
-    artifact_location: str = "mlartifacts"
+    # a new experiment's artifact folder; null = the tracking server's artifact store (`mlflow server
+    # --artifacts-destination`: the stack's S3 bucket on its postgres backend), or mlartifacts/ beside a SQLite store
+    artifact_location: str | None = None
     cache_dir: str = ".ppoflow"  # the embedded demo model and data are built here once
     ray: RayConfig = field(default_factory=RayConfig)
 

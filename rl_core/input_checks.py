@@ -10,7 +10,6 @@ import importlib.metadata
 import importlib.util
 import inspect
 import os
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rl_core.agent.tools.registry import tool_schemas
@@ -18,8 +17,9 @@ from rl_core.config import use_critic
 from rl_core.data.rows import DatasetError, peek_rows, validate_row
 from rl_core.models.folder import ModelLoadError, check_model_folder, local_model_path
 from rl_core.models.vocabulary import describe_ids, embedding_rows, fed_ids, ids_past_rows, tokenizer_id_bound
+from rl_core.remote_folder import RemoteStorageError
 from rl_core.reward.custom import load_custom_reward_function
-from rl_core.step_checkpoint import PRESTART_MARK, CheckpointError, StepCheckpoints
+from rl_core.step_checkpoint import PRESTART_MARK, CheckpointError, run_checkpoints
 
 if TYPE_CHECKING:  # the datasets need torch, which takes seconds to import: only the tokenized checks load them
     from rl_core.data.dataset import RLDataset
@@ -235,14 +235,19 @@ def tokenized_problems(config: Any) -> list[str]:
 def checkpoint_problems(config: Any) -> list[str]:
     """The checkpoint folder held by another run (not by this process's ``ppoflow train`` preparing this very run:
     its lock carries PRESTART_MARK with this pid); a damaged or missing ``resume_from_path``."""
-    checkpoints = StepCheckpoints(config.trainer.default_local_dir)
+    checkpoints = run_checkpoints(config.trainer)
+    if checkpoints.is_remote:
+        try:
+            checkpoints.remote.check()
+        except RemoteStorageError as error:
+            return [f"trainer.default_local_dir: {error}"]
     holder = checkpoints.holder()
     held_elsewhere = holder is not None and holder.get(PRESTART_MARK) != os.getpid()
     problems = [f"trainer.default_local_dir: {checkpoints.in_use_message(holder)}"] if held_elsewhere else []
     if config.trainer.resume_mode == "resume_path" and config.trainer.resume_from_path:
         try:
-            checkpoints.check_intact(Path(config.trainer.resume_from_path).expanduser())
-        except CheckpointError as error:
+            checkpoints.check_intact(checkpoints.local_folder(config.trainer.resume_from_path))
+        except (CheckpointError, RemoteStorageError) as error:
             problems.append(f"trainer.resume_from_path: {error}")
     return problems
 

@@ -13,6 +13,11 @@ Each checkpoint verifies itself: ``manifest.json`` (every file's size and SHA-25
 time uses a folder: :meth:`StepCheckpoints.lock` holds an exclusive lock (released by the kernel when the
 process dies, even by SIGKILL) and names its holder to the second run; a holder still named in the lock file
 when the next run takes it died without letting go (killed).
+
+A folder at a URL (``s3://bucket/prefix``: rl_core/remote_folder.py) is worked on in a local copy
+(``trainer.checkpoint_cache_dir``): read back once, at the first look at its steps (what is remote replaces what the
+copy holds), and each committed step uploaded before the remote pointer names it. The lock is the local copy's: it
+keeps out a second run on this machine, not on another.
 """
 
 from __future__ import annotations
@@ -25,8 +30,11 @@ import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import cached_property
 from pathlib import Path
 from typing import Any, TextIO
+
+from rl_core.remote_folder import RemoteFolder, is_remote, local_copy_folder
 
 POINTER_FILE = "latest_checkpointed_iteration.txt"
 STATE_FILE = "trainer_state.json"
@@ -101,10 +109,66 @@ class FolderLock:
         self.handle.close()
 
 
+def run_checkpoints(trainer: Any) -> StepCheckpoints:
+    """The step checkpoints of a run, from its config's ``trainer`` section."""
+    return StepCheckpoints(trainer.default_local_dir, trainer.max_ckpt_to_keep, trainer.checkpoint_cache_dir)
+
+
 class StepCheckpoints:
-    def __init__(self, root: str | Path, max_to_keep: int | None = None):
-        self.root = Path(root)
+    def __init__(self, location: str | Path, max_to_keep: int | None = None, cache_dir: str | Path | None = None):
+        """``location``: a local folder, or a URL (then ``cache_dir`` holds its local copy)."""
+        self.location = str(location)
+        self.is_remote = is_remote(self.location)
+        if self.is_remote and cache_dir is None:
+            raise ValueError(f"{self.location}: a checkpoint folder at a URL needs a cache_dir for its local copy")
+        self.root = local_copy_folder(self.location, cache_dir) if self.is_remote else Path(location)
         self.max_to_keep = max_to_keep
+        self._read_back = not self.is_remote
+
+    @cached_property
+    def remote(self) -> RemoteFolder:
+        return RemoteFolder(self.location)
+
+    def address(self, step: int) -> str:
+        """Where step ``step``'s checkpoint is, as a user names it: its URL, or its local folder's absolute path."""
+        if self.is_remote:
+            return f"{self.location.rstrip('/')}/{self.step_dir(step).name}"
+        return str(self.step_dir(step).resolve())
+
+    def local_folder(self, path: str) -> Path:
+        """The local folder of a checkpoint named by a path, or by a URL inside this folder (its local copy)."""
+        if not is_remote(path):
+            return Path(path).expanduser()
+        relative = path.rstrip("/").removeprefix(self.location.rstrip("/") + "/")
+        if not self.is_remote or relative == path.rstrip("/"):
+            raise CheckpointError(
+                f"{path}: a checkpoint at a URL is resumed from inside the run's own trainer.default_local_dir "
+                f"({self.location}); point that at its folder"
+            )
+        self._read_back_remote()
+        return self.root / relative
+
+    def _read_back_remote(self) -> None:
+        """A folder at a URL: its step folders (those whose manifest differs from the copy's) and pointer into the local
+        copy, whose other steps are deleted; once per object (its own commits keep both the same after)."""
+        if self._read_back:
+            return
+        self._read_back = True
+        self.root.mkdir(parents=True, exist_ok=True)
+        remote_steps = {name for name in self.remote.folders() if name.startswith("global_step_")}
+        for name in sorted(remote_steps):
+            local = self.root / name
+            local_manifest = (local / MANIFEST_FILE).read_text() if (local / MANIFEST_FILE).is_file() else None
+            if local_manifest is None or self.remote.read_text(f"{name}/{MANIFEST_FILE}") != local_manifest:
+                self.remote.download(name, local)
+        for local in self.root.glob("global_step_*"):
+            if local.name not in remote_steps:
+                shutil.rmtree(local)
+        pointer = self.remote.read_text(POINTER_FILE)
+        if pointer is None:
+            (self.root / POINTER_FILE).unlink(missing_ok=True)
+        else:
+            (self.root / POINTER_FILE).write_text(pointer)
 
     def step_dir(self, step: int) -> Path:
         return self.root / f"global_step_{step}"
@@ -136,6 +200,7 @@ class StepCheckpoints:
         staging = self.root / f".tmp_global_step_{step}"
         if not staging.is_dir():
             raise CheckpointError(f"no staged checkpoint for step {step} in {self.root}")
+        self._read_back_remote()
         (staging / STATE_FILE).write_text(json.dumps({**trainer_state, "global_step": step}, indent=1))
         write_manifest(staging)
         final = self.step_dir(step)
@@ -149,11 +214,17 @@ class StepCheckpoints:
         pointer_tmp = self.root / f".{POINTER_FILE}.tmp"
         pointer_tmp.write_text(str(step))
         os.replace(pointer_tmp, self.root / POINTER_FILE)
-        self._prune(step)
+        if self.is_remote:  # the step whole (its state file last), then the pointer that names it
+            self.remote.upload(final, final.name, last=(MANIFEST_FILE, STATE_FILE))
+            self.remote.write_text(POINTER_FILE, str(step))
+        for pruned in self._prune(step):
+            if self.is_remote:
+                self.remote.remove(self.step_dir(pruned).name)
         return final
 
     def pointer_step(self) -> int | None:
         """The step the pointer names (None when there is no pointer)."""
+        self._read_back_remote()
         self._restore_set_aside()
         pointer = self.root / POINTER_FILE
         if not pointer.exists():
@@ -269,6 +340,7 @@ class StepCheckpoints:
 
     def steps(self) -> list[int]:
         """The step numbers of the ``global_step_N`` folders, in order."""
+        self._read_back_remote()
         names = (p.name.removeprefix("global_step_") for p in self.root.glob("global_step_*"))
         return sorted(int(name) for name in names if name.isdigit())
 
@@ -279,14 +351,14 @@ class StepCheckpoints:
         except (OSError, ValueError):
             return None
 
-    def _prune(self, newest: int) -> None:
+    def _prune(self, newest: int) -> list[int]:
         """Keep the ``max_to_keep`` newest checkpoints of the run that wrote ``newest``; another run's in the same
-        folder
-        (a run started with resume_mode=disable) are not this run's to delete."""
+        folder (a run started with resume_mode=disable) are not this run's to delete. Returns the steps deleted."""
         if not self.max_to_keep or self.max_to_keep <= 0:
-            return
+            return []
         run = self.run_of(newest)
         own = [step for step in self.steps() if self.run_of(step) == run]
-        for step in own[: -self.max_to_keep]:
-            if step != newest:
-                shutil.rmtree(self.step_dir(step), ignore_errors=True)
+        pruned = [step for step in own[: -self.max_to_keep] if step != newest]
+        for step in pruned:
+            shutil.rmtree(self.step_dir(step), ignore_errors=True)
+        return pruned

@@ -254,7 +254,9 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
         "MLflow run",
     )
     evaluate.add_argument(
-        "source", help="a global_step_N checkpoint folder (or its actor folder), or models:/<name>/<version>"
+        "source",
+        help="a global_step_N checkpoint folder (or its actor folder), local or at a URL (s3://...), or "
+        "models:/<name>/<version>",
     )
     evaluate.add_argument(
         "overrides", nargs="*", help="Hydra overrides of the training run's config (e.g. data.val_files=...)"

@@ -30,20 +30,19 @@ def use_stack() -> str:
 
 def _up(args: argparse.Namespace) -> int:
     from infra.stack import up
+    from infra.team_backend import BUCKET
 
-    ports = {
-        name: port
-        for name, port in (("prefect", args.prefect_port), ("mlflow", args.mlflow_port), ("ray", args.ray_port))
-        if port
-    }
+    ports = {name: getattr(args, f"{name}_port") for name in ("prefect", "mlflow", "ray", "postgres", "s3")}
     try:
-        stack, started = up(args.data_dir, ports)
+        stack, started = up(args.data_dir, {name: port for name, port in ports.items() if port}, args.backend)
     except (RuntimeError, TimeoutError) as error:
         print(f"ppoflow up: {error}", file=sys.stderr)
         return 1
-    print(f"ppoflow stack (data in {stack.data_dir}):")
+    print(f"ppoflow stack, {stack.backend} backend (data in {stack.data_dir}):")
     for name, service in stack.services.items():
         print(f"  {name:8} {service.url:32} pid {service.pid:<8} {'started' if name in started else 'already running'}")
+    if stack.backend == "postgres":
+        print(f"checkpoints on its S3 store: trainer.default_local_dir=s3://{BUCKET}/checkpoints/<run>")
     print("use it from a shell with:")
     for key, value in stack.env().items():
         print(f"export {key}={value}")
@@ -66,7 +65,7 @@ def _status(args: argparse.Namespace) -> int:
         print(f"no ppoflow stack is running ({state_file()} does not exist); `ppoflow up` starts one")
         return 1
     healthy = True
-    print(f"ppoflow stack (data in {stack.data_dir}):")
+    print(f"ppoflow stack, {stack.backend} backend (data in {stack.data_dir}):")
     for name, service in stack.services.items():
         alive, answers = service.alive(), service.answers()
         healthy &= alive and answers
@@ -146,16 +145,7 @@ def _ui(args: argparse.Namespace) -> int:
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
     """``up``, ``down``, ``status``, ``workers`` and ``ui``."""
-    up = commands.add_parser(
-        "up", help="start the local stack on 127.0.0.1 (Prefect server, MLflow server, Ray head); idempotent"
-    )
-    up.add_argument(
-        "--data-dir", help="where the services keep their data (default $PPOFLOW_HOME/data, PPOFLOW_HOME=~/.ppoflow)"
-    )
-    up.add_argument("--prefect-port", type=int, help="default 4200")
-    up.add_argument("--mlflow-port", type=int, help="default 5000")
-    up.add_argument("--ray-port", type=int, help="default 6379")
-    up.set_defaults(run=_up)
+    _add_up(commands)
     down = commands.add_parser(
         "down", help="stop the services `ppoflow up` started (and nothing else); their data is kept"
     )
@@ -198,3 +188,25 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     ui.add_argument("--prefect-url", help="the Prefect UI, for links (default PREFECT_UI_URL or http://127.0.0.1:4200)")
     ui.add_argument("--ray-dashboard-url", help="the Ray dashboard, for links (default http://127.0.0.1:8265)")
     ui.set_defaults(run=_ui)
+
+
+def _add_up(commands: argparse._SubParsersAction) -> None:
+    """``up``: where the data goes, the ports, the backend."""
+    up = commands.add_parser(
+        "up", help="start the local stack on 127.0.0.1 (Prefect server, MLflow server, Ray head); idempotent"
+    )
+    up.add_argument(
+        "--data-dir", help="where the services keep their data (default $PPOFLOW_HOME/data, PPOFLOW_HOME=~/.ppoflow)"
+    )
+    up.add_argument("--prefect-port", type=int, help="default 4200")
+    up.add_argument("--mlflow-port", type=int, help="default 5000")
+    up.add_argument("--ray-port", type=int, help="default 6379")
+    up.add_argument(
+        "--backend",
+        choices=["sqlite", "postgres"],
+        help="the services' stores: SQLite and a local folder (the default), or PostgreSQL and an S3-compatible store "
+        "(moto's server), both started on 127.0.0.1 too (pip install 'ppoflow[team]' and Debian's postgresql)",
+    )
+    up.add_argument("--postgres-port", type=int, help="postgres backend: default 5432")
+    up.add_argument("--s3-port", type=int, help="postgres backend: default 9000")
+    up.set_defaults(run=_up)

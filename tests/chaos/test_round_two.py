@@ -205,7 +205,9 @@ def test_a_service_that_dies_while_starting_is_seen_at_once_with_its_own_error(t
         "-c",
         "import sys; print('starting'); print('ValueError: the port is not usable'); sys.exit(3)",
     ]
-    monkeypatch.setattr(stack, "service_command", lambda name, port, data: (dying, {}, f"http://127.0.0.1:{port}"))
+    monkeypatch.setattr(
+        stack, "service_command", lambda name, port, data, stores: (dying, {}, f"http://127.0.0.1:{port}")
+    )
     started = time.monotonic()
     with pytest.raises(
         RuntimeError, match=r"prefect exited while starting \(exit code 3\): ValueError: the port is not usable"

@@ -35,3 +35,12 @@ def test_a_run_records_its_command_overrides_and_commit_without_secrets(monkeypa
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
     if head.returncode == 0:  # a git checkout (CI's clone is one)
         assert tags["mlflow.source.git.commit"] == head.stdout.strip()
+
+
+def test_an_experiment_without_an_artifact_location_keeps_them_where_its_store_does(tmp_path):
+    """Beside a SQLite file: mlartifacts/ next to it; on a tracking server the server's store decides (the team stack's
+    S3 bucket: tests/infra/test_team_stack.py)."""
+    client = open_store(f"sqlite:///{tmp_path}/store/mlflow.db")
+    config = OmegaConf.create({"trainer": {"project_name": "p", "artifact_location": None}})
+    created = client.get_experiment(experiment_id(client, config))
+    assert created.artifact_location == (tmp_path / "store" / "mlartifacts").as_uri()

@@ -2,39 +2,16 @@
 (PPOFLOW_HOME in a temporary folder), and a training run that uses them, seen in their UIs by a real Chromium."""
 
 import json
-import os
-import subprocess
-import sys
 
 import httpx
-import pytest
 from mlflow.tracking import MlflowClient
 from selenium.webdriver.common.by import By
 
 from flows.prefect_view import mlflow_run_url
 from infra.stack import port_open
-from infra.watchdog import all_stats
 from tests.browser import chromium, page_text_once_it_shows, screenshot
-from tests.conftest import ROOT, free_port
-
-
-def ppoflow(env: dict, *args: str, timeout: float = 300, cwd=ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "flows.cli", *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout
-    )
-
-
-def process_group_alive(pgid: int) -> bool:
-    """A live (not zombie: an orphan's exit may not be reaped at once) process is in the group."""
-    return any(group == pgid and state != "Z" for state, _, group, _ in all_stats().values())
-
-
-@pytest.fixture()
-def stack_env(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
-    env["PPOFLOW_HOME"] = str(tmp_path / "home")
-    yield env
-    ppoflow(env, "down", timeout=120)  # whatever happened in the test
+from tests.conftest import free_port
+from tests.infra.conftest import SMALL_DEMO, ppoflow, process_group_alive
 
 
 def test_up_status_train_down(stack_env, tmp_path, demo_cache):
@@ -69,15 +46,7 @@ def test_up_status_train_down(stack_env, tmp_path, demo_cache):
     work = tmp_path / "work"
     work.mkdir()
     (work / ".ppoflow").symlink_to(demo_cache)  # the demo's assets, built once for the session
-    overrides = [
-        "data.synthetic.train_size=64",
-        "data.synthetic.val_size=16",
-        "data.train_batch_size=4",
-        "actor_rollout_ref.rollout.n=4",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-        "trainer.total_training_steps=1",
-        "trainer.test_freq=-1",
-    ]
+    overrides = [*SMALL_DEMO, "trainer.total_training_steps=1", "trainer.test_freq=-1"]
     trained = ppoflow(stack_env, "train", "--verbose", *overrides, timeout=600, cwd=work)
     assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
     assert trained.stdout.splitlines()[0].startswith("ppoflow train: using the ppoflow stack")
