@@ -29,12 +29,13 @@ from typing import Any
 
 import torch
 
-from rl_core.agent.executor import CallResult, ToolExecutor, refused
+from rl_core.agent.executor import CallResult, ToolExecutor, ToolSession, refused
 from rl_core.agent.observations import ObservationEncoder
 from rl_core.agent.parsers import ToolCall, parse_calls
 from rl_core.agent.tools.base import BaseTool
 from rl_core.batch import Batch
-from rl_core.batch_fields import INPUT_IDS, MULTI_TURN, NUM_TURNS, TEMPERATURE
+from rl_core.batch_fields import EXTRA_INFO, INPUT_IDS, MULTI_TURN, NUM_TURNS, TEMPERATURE
+from rl_core.data.rows import tools_kwargs_of
 from rl_core.rollout.base import (
     TokenEngine,
     TokenSample,
@@ -66,6 +67,10 @@ class Trajectory:
     pending: list[tuple[ToolCall, concurrent.futures.Future]] = field(default_factory=list)
     tool_wait_s: float = 0.0  # how long the loop waited for this trajectory's answers after its chunks generated
     finish: str | None = None
+    session: ToolSession = field(default_factory=ToolSession)  # its tool instances (rl_core/agent/executor.py)
+    tool_rewards: list[float] = field(default_factory=list)  # the calls' step rewards, in call order
+    reward_scores: dict[str, float] = field(default_factory=dict)  # each tool's calc_reward at the end
+    tool_problems: list[str] = field(default_factory=list)  # a calc_reward or release that failed
 
     def append(self, ids: list[int], from_policy: bool, log_probs: list[float] | None = None) -> None:
         self.ids += ids
@@ -81,6 +86,9 @@ class Trajectory:
             "finish_reason": self.finish,
             "final_answer": answers[-1] if answers else "",
             "tool_wait_s": self.tool_wait_s,
+            "tool_rewards": self.tool_rewards,
+            "rollout_reward_scores": self.reward_scores,
+            **({"tool_problems": self.tool_problems} if self.tool_problems else {}),
         }
 
 
@@ -117,7 +125,11 @@ class MultiTurnRollout:
         params = sampling_params(self.config, prompts.meta_info)
         rank = data_parallel_rank()
         width = prompts.tensors[INPUT_IDS].shape[1]
-        trajectories = [Trajectory(context) for context in prompt_contexts(prompts)]
+        extras = prompts.non_tensors.get(EXTRA_INFO, [None] * len(prompts))
+        trajectories = [
+            Trajectory(context, session=ToolSession(tools_kwargs_of(extra)))
+            for context, extra in zip(prompt_contexts(prompts), extras)
+        ]
         with self.engine.rollout(prompts.meta_info):
             round_index = 0
             while active := [t for t in trajectories if t.finish is None]:
@@ -134,6 +146,7 @@ class MultiTurnRollout:
                     if trajectory.finish is None:
                         self._append_answers(trajectory)
                 round_index += 1
+        self._finish_sessions(trajectories)
         samples = [
             TokenSample(t.ids, t.log_probs if self.config.calculate_log_probs else None, t.finish) for t in trajectories
         ]
@@ -173,7 +186,7 @@ class MultiTurnRollout:
             trajectory.finish = "max_turns"
             return
         allowed = int(settings.max_parallel_calls)
-        trajectory.pending = [(call, self.executor.submit(call)) for call in calls[:allowed]]
+        trajectory.pending = [(call, self.executor.submit(call, trajectory.session)) for call in calls[:allowed]]
         trajectory.pending += [
             (call, refused(f"at most {allowed} calls per turn", "limit")) for call in calls[allowed:]
         ]
@@ -188,6 +201,7 @@ class MultiTurnRollout:
             except concurrent.futures.TimeoutError:  # the tools' loop itself is stuck (a tool blocking in async code)
                 result = CallResult(f"error: {call.name} did not answer", "timeout", float("nan"))
             trajectory.tool_wait_s += time.perf_counter() - waiting
+            trajectory.tool_rewards.append(result.reward)
             text, truncated = self.observations.cap(result.text)
             answers.append(text)
             trajectory.calls.append(
@@ -208,3 +222,14 @@ class MultiTurnRollout:
             return
         trajectory.append(delta, from_policy=False)
         trajectory.tool_rounds += 1
+
+    def _finish_sessions(self, trajectories: list[Trajectory]) -> None:
+        """Every trajectory's tool instances asked their rewards and released, all at once."""
+        finishing = [(t, self.executor.finish(t.session)) for t in trajectories if t.session.created]
+        for trajectory, future in finishing:
+            try:
+                trajectory.reward_scores, trajectory.tool_problems = future.result(
+                    timeout=2 * float(self.settings.tool_timeout_s) * len(trajectory.session.created) + 30
+                )
+            except concurrent.futures.TimeoutError:  # the tools' loop itself is stuck
+                trajectory.tool_problems = ["the tools did not answer calc_reward/release"]

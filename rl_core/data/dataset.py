@@ -6,7 +6,9 @@ A row::
     prompt        list of {"role", "content"}  chat messages (or a plain string: tokenized as raw text)
     ability       str                          optional
     reward_model  {"ground_truth": ..., ...}   what the scorer compares against
-    extra_info    dict                         optional, passed to the scorer
+    extra_info    dict                         optional, passed to the scorer; a multi-turn row's
+                                               ``tools_kwargs`` ({tool: {create_kwargs, execute_kwargs,
+                                               calc_reward_kwargs, release_kwargs}}) go to its tool instances
 
 Prompts go through the tokenizer's chat template with the generation prompt appended; a plain-string prompt,
 ``data.use_chat_template=false``, or a tokenizer without a chat template (common for base models) tokenizes

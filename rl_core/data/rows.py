@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 
 class DatasetError(ValueError):
@@ -97,3 +98,31 @@ def validate_row(row: dict, where: str, prompt_key: str = "prompt") -> None:
     reward_model = row.get("reward_model")
     if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
         raise DatasetError(f"{where} has no 'reward_model.ground_truth' (needed by the rule and custom reward scorers)")
+    try:
+        tools_kwargs_of(row.get("extra_info"))
+    except DatasetError as error:
+        raise DatasetError(f"{where}: {error}") from None
+
+
+# verl's per-tool lifecycle keys of a multi-turn row's extra_info.tools_kwargs.<tool> (rl_core/agent/executor.py)
+LIFECYCLE_KWARGS = ("create_kwargs", "execute_kwargs", "calc_reward_kwargs", "release_kwargs")
+
+
+def tools_kwargs_of(extra_info: Any) -> dict[str, Any]:
+    """The row's ``extra_info.tools_kwargs`` checked: a mapping of tool names to mappings of the four lifecycle keys,
+    each a mapping; a DatasetError naming what is wrong otherwise."""
+    found = extra_info.get("tools_kwargs") if isinstance(extra_info, dict) else None
+    if found is None:
+        return {}
+    if not isinstance(found, dict):
+        raise DatasetError(f"extra_info.tools_kwargs must map tool names to their kwargs, not {type(found).__name__}")
+    for tool, stages in found.items():
+        if not isinstance(stages, dict) or not set(stages) <= set(LIFECYCLE_KWARGS):
+            raise DatasetError(
+                f"extra_info.tools_kwargs.{tool} must be a mapping with some of {', '.join(LIFECYCLE_KWARGS)}, not "
+                f"{stages!r}"
+            )
+        for stage, value in stages.items():
+            if value is not None and not isinstance(value, dict):
+                raise DatasetError(f"extra_info.tools_kwargs.{tool}.{stage} must be a mapping, not {value!r}")
+    return found

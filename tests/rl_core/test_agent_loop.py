@@ -8,6 +8,7 @@ defined here. The last tests run the real HF engine on the tiny model."""
 import asyncio
 import contextlib
 import random
+import re
 import time
 
 import pytest
@@ -23,6 +24,7 @@ from rl_core.agent.tools.base import BaseTool, ToolResponse
 from rl_core.agent.tools.registry import builtin_tool, load_tools, tool_schemas
 from rl_core.config import ConfigValueError, DataConfig, RolloutConfig
 from rl_core.data.dataset import RLDataset
+from rl_core.data.rows import DatasetError, validate_row
 from rl_core.metrics import multi_turn_metrics
 from rl_core.models.loading import load_policy_model
 from rl_core.rollout import build_rollout_engine
@@ -71,6 +73,40 @@ class SleepTool(BaseTool):
     async def execute(self, instance_id, parameters, **kwargs):
         await asyncio.sleep(self.config.get("seconds", self.rng.uniform(0, 0.05)))
         return ToolResponse(f"slept {parameters.get('x')}"), 0.0, {}
+
+
+class AnswerTool(BaseTool):
+    """verl's GSM8K tool, in small: an instance holds its row's ground truth (``create_kwargs``); each answer is scored
+    (1.0 right, -0.05 wrong: verl's penalty), ``calc_reward`` is the best so far; every lifecycle call is logged."""
+
+    log: list[tuple] = []
+
+    def __init__(self, config=None, tool_schema=None):
+        schema = {"type": "function", "function": {"name": "submit", "parameters": {"required": ["answer"]}}}
+        super().__init__(config or {}, tool_schema or schema)
+        self.instances: dict[str, dict] = {}
+
+    async def create(self, instance_id=None, ground_truth=None, **kwargs):
+        instance = await super().create(instance_id)
+        self.instances[instance] = {"truth": ground_truth, "best": 0.0}
+        self.log.append(("create", ground_truth))
+        return instance
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        state = self.instances[instance_id]
+        right = str(parameters["answer"]) == str(state["truth"])
+        state["best"] = max(state["best"], 1.0 if right else 0.0)
+        self.log.append(("execute", state["truth"], parameters["answer"], kwargs))
+        return ToolResponse("correct" if right else "incorrect"), 1.0 if right else -0.05, {}
+
+    async def calc_reward(self, instance_id, **kwargs):
+        self.log.append(("calc_reward", self.instances[instance_id]["truth"], kwargs))
+        if kwargs.get("fail"):
+            raise RuntimeError("no reward today")
+        return self.instances[instance_id]["best"]
+
+    async def release(self, instance_id, **kwargs):
+        self.log.append(("release", self.instances.pop(instance_id)["truth"]))
 
 
 @pytest.fixture(scope="module")
@@ -235,6 +271,67 @@ def test_malformed_and_extra_calls_are_answered_with_errors_and_recorded(tmp_pat
     stopped, _ = run(tokenizer, prompts[:1], script[:1], load_tools(CALC_TOOLS), on_parse_error="stop")
     assert stopped.non_tensors["multi_turn"][0]["finish_reason"] == "parse_error"
     assert stopped.non_tensors["num_turns"][0] == 2
+
+
+def submit(answer):
+    return f'<tool_call>{{"name": "submit", "arguments": {{"answer": "{answer}"}}}}</tool_call>'
+
+
+def test_each_trajectory_has_its_own_tool_instances_made_from_its_rows_tools_kwargs(tmp_path, tokenizer):
+    """verl's tool lifecycle: an instance per trajectory and tool, created from the row's
+    extra_info.tools_kwargs.<tool>.create_kwargs on its first call, every later call on it (execute_kwargs), then
+    calc_reward and release once; the step rewards and the final ones reach the reward function's extra_info."""
+    prompts = prompts_of(tmp_path, tokenizer, 3)
+    prompts.non_tensors["extra_info"][0] = {"tools_kwargs": {"submit": {"create_kwargs": {"ground_truth": 7}}}}
+    prompts.non_tensors["extra_info"][1] = {
+        "tools_kwargs": {
+            "submit": {"create_kwargs": {"ground_truth": 9}, "execute_kwargs": {"attempt": 1}},
+            "calculator": {},
+        }
+    }
+    prompts.non_tensors["extra_info"][2] = {
+        "tools_kwargs": {"submit": {"create_kwargs": {"ground_truth": 4}, "calc_reward_kwargs": {"fail": True}}}
+    }
+    script = [
+        [turn(tokenizer, submit(6)), turn(tokenizer, submit(7)), turn(tokenizer, "done")],
+        [turn(tokenizer, submit(9)), turn(tokenizer, "done")],
+        [turn(tokenizer, submit(4)), turn(tokenizer, "done")],
+    ]
+    AnswerTool.log.clear()
+    tools = {"submit": AnswerTool(), **load_tools(CALC_TOOLS)}
+    out, _ = run(tokenizer, prompts, script, tools)
+    infos = list(out.non_tensors["multi_turn"])
+    assert [info["tool_rewards"] for info in infos] == [[-0.05, 1.0], [1.0], [1.0]]
+    assert [info["rollout_reward_scores"] for info in infos] == [{"submit": 1.0}, {"submit": 1.0}, {"submit": 0.0}]
+    assert infos[2]["tool_problems"] == ["submit.calc_reward: RuntimeError: no reward today"]
+    assert "tool_problems" not in infos[0]
+    log = AnswerTool.log
+    assert sorted(entry[1] for entry in log if entry[0] == "create") == [4, 7, 9]  # one instance per trajectory
+    assert ("execute", 9, "9", {"attempt": 1}) in log and ("execute", 7, "6", {}) in log
+    assert sorted(entry[1] for entry in log if entry[0] == "release") == [4, 7, 9]
+    assert tools["submit"].instances == {}  # every instance released
+    for row, info in enumerate(infos):  # the reward function reads them as verl passes them
+        merged = {**prompts.non_tensors["extra_info"][row], **info}
+        assert merged["rollout_reward_scores"] == info["rollout_reward_scores"]
+
+
+@pytest.mark.parametrize(
+    "tools_kwargs, problem",
+    [
+        ([1], "extra_info.tools_kwargs must map tool names to their kwargs, not list"),
+        ({"submit": {"create": {}}}, "extra_info.tools_kwargs.submit must be a mapping with some of create_kwargs"),
+        ({"submit": {"create_kwargs": 3}}, "extra_info.tools_kwargs.submit.create_kwargs must be a mapping, not 3"),
+    ],
+)
+def test_a_malformed_tools_kwargs_is_refused_with_its_row(tmp_path, tools_kwargs, problem):
+    row = {
+        "data_source": "x",
+        "prompt": [{"role": "user", "content": "1+1"}],
+        "reward_model": {"ground_truth": "2"},
+        "extra_info": {"tools_kwargs": tools_kwargs},
+    }
+    with pytest.raises(DatasetError, match=f"rows.jsonl: row 3: {re.escape(problem)}"):
+        validate_row(row, "rows.jsonl: row 3")
 
 
 def test_turn_limits_and_the_response_budget_end_trajectories_on_a_policy_token(tmp_path, tokenizer):

@@ -1,6 +1,7 @@
 """verl's tool interface: a tool is created per trajectory, executed with the arguments of each call, asked for a
 reward and released. Methods are async (a tool may wait on a process or a service); a failing call is answered with
-an ``error: ...`` message to the policy, never an exception that ends the step (:func:`run_call`)."""
+an ``error: ...`` message to the policy, never an exception that ends the step (:func:`run_call`). In a rollout each
+trajectory has its own instance of each tool it calls (rl_core/agent/executor.py: ``ToolSession``)."""
 
 from __future__ import annotations
 
@@ -49,24 +50,31 @@ class BaseTool:
         """Free what the instance holds (always called, after the last call)."""
 
 
-async def run_call(tool: BaseTool, parameters: Any) -> tuple[ToolResponse, bool]:
-    """One call of ``tool`` in a fresh instance: (the response, whether it succeeded). Arguments that are not an object,
-    a :class:`ToolError` or any exception become ``error: ...`` text."""
+async def run_call(
+    tool: BaseTool, parameters: Any, instance_id: str, execute_kwargs: dict[str, Any] | None = None
+) -> tuple[ToolResponse, bool, float]:
+    """One call of ``tool`` on its instance ``instance_id``: (the response, whether it succeeded, the step reward).
+    Arguments that are not an object, a :class:`ToolError` or any exception become ``error: ...`` text (reward 0)."""
     if not isinstance(parameters, dict):
         kind = type(parameters).__name__
-        return ToolResponse(f"error: {tool.name} takes a JSON object of arguments, not {kind}"), False
-    instance = await tool.create()
+        return ToolResponse(f"error: {tool.name} takes a JSON object of arguments, not {kind}"), False, 0.0
     try:
-        response, _, _ = await tool.execute(instance, parameters)
-        return response, not response.text.startswith("error:")
+        response, reward, _ = await tool.execute(instance_id, parameters, **(execute_kwargs or {}))
+        return response, not response.text.startswith("error:"), float(reward or 0.0)
     except ToolError as error:
-        return ToolResponse(f"error: {error}"), False
+        return ToolResponse(f"error: {error}"), False, 0.0
     except Exception as error:  # a tool's own bug: the policy reads it, the step goes on
-        return ToolResponse(f"error: {tool.name} failed: {type(error).__name__}: {error}"), False
-    finally:
-        await tool.release(instance)
+        return ToolResponse(f"error: {tool.name} failed: {type(error).__name__}: {error}"), False, 0.0
 
 
 def call_tool(tool: BaseTool, parameters: Any) -> ToolResponse:
-    """:func:`run_call` from synchronous code (``ppoflow tools call``)."""
-    return asyncio.run(run_call(tool, parameters))[0]
+    """One call in a fresh instance, from synchronous code (``ppoflow tools call``)."""
+
+    async def once() -> ToolResponse:
+        instance = await tool.create()
+        try:
+            return (await run_call(tool, parameters, instance))[0]
+        finally:
+            await tool.release(instance)
+
+    return asyncio.run(once())
