@@ -146,6 +146,7 @@ PATH_KEYS = (
     "trainer.resume_from_path",
     "trainer.artifact_location",
     "actor_rollout_ref.rollout.multi_turn.tool_config_path",
+    "actor_rollout_ref.rollout.multi_turn.interaction_config_path",
 )
 SQLITE = "sqlite:///"
 

@@ -192,6 +192,8 @@ class MultiTurnConfig:
     max_tool_response_length: int = 256  # characters of one tool answer
     tool_response_truncate_side: str = "middle"  # left: keep the tail | middle: both ends | right: keep the head
     tool_config_path: str | None = None  # verl's tool YAML (rl_core.agent.tools.registry); null: no tools
+    # verl's interaction YAML (rl_core.agent.interactions): simulated users a row picks by extra_info.interaction_kwargs
+    interaction_config_path: str | None = None
     format: str = "hermes"  # hermes: <tool_call>{"name", "arguments"}</tool_call> | tag: <call>TEXT</call> (one tool)
     tool_timeout_s: float = 10.0  # one call's wall-clock limit; it is then cancelled and answered with an error
     max_concurrent_tools: int = 4  # calls in flight at once, per rollout worker

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rl_core.agent.interactions import InteractionConfigError, configured_interactions
 from rl_core.agent.parsers import tag_argument
 from rl_core.agent.tools.registry import ToolConfigError, configured_tools
 from rl_core.config import ConfigValueError
@@ -12,7 +13,7 @@ from rl_core.config import ConfigValueError
 
 def check_multi_turn(rollout: Any) -> None:
     """Refuse a multi-turn setting that cannot run: vLLM with tensor parallelism, a turn limit below 1, a
-    tool YAML that does not load, ``format=tag`` without exactly one tool of one required argument."""
+    tool or interaction YAML that does not load, ``format=tag`` without exactly one tool of one required argument."""
     settings = rollout.multi_turn
     key = "actor_rollout_ref.rollout.multi_turn"
     if not settings.enable:
@@ -31,6 +32,10 @@ def check_multi_turn(rollout: Any) -> None:
         tools = configured_tools(settings)
     except ToolConfigError as error:
         raise ConfigValueError(f"{key}.tool_config_path: {error}") from None
+    try:
+        configured_interactions(settings)
+    except InteractionConfigError as error:
+        raise ConfigValueError(f"{key}.interaction_config_path: {error}") from None
     if settings.format == "tag":
         if len(tools) != 1:
             raise ConfigValueError(

@@ -14,7 +14,7 @@ a tool is created on the trajectory's first call of it (``create_kwargs``), its 
 (``execute_kwargs``; each returns a step reward), and when the rollout ends every instance is asked its reward
 (``calc_reward_kwargs``) and released (``release_kwargs``). The rewards reach the reward function as verl passes them:
 ``extra_info["tool_rewards"]`` (the step rewards, in call order) and ``extra_info["rollout_reward_scores"]``
-(``{tool: calc_reward}``).
+(``{tool: calc_reward}``). A trajectory's interaction (rl_core/agent/interactions.py) lives in its session too.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from rl_core.agent.interactions import BaseInteraction
 from rl_core.agent.parsers import ToolCall
 from rl_core.agent.tools.base import BaseTool, ToolResponse, run_call
 
@@ -46,10 +47,14 @@ class CallResult:
 @dataclass
 class ToolSession:
     """One trajectory's tool instances: ``tools_kwargs`` is its row's ``extra_info.tools_kwargs`` (``{tool:
-    {create_kwargs: {...}, execute_kwargs: ..., calc_reward_kwargs: ..., release_kwargs: ...}}``, all optional)."""
+    {create_kwargs: {...}, execute_kwargs: ..., calc_reward_kwargs: ..., release_kwargs: ...}}``, all optional);
+    ``interaction`` its simulated user, started with ``interaction_kwargs`` (its row's) on its first reply."""
 
     tools_kwargs: dict[str, Any] = field(default_factory=dict)
     created: dict[str, asyncio.Future] = field(default_factory=dict)  # tool name -> its instance id, created once
+    interaction: BaseInteraction | None = None
+    interaction_kwargs: dict[str, Any] = field(default_factory=dict)
+    interaction_id: str | None = None
 
     def kwargs(self, tool: str, stage: str) -> dict[str, Any]:
         return dict((self.tools_kwargs.get(tool) or {}).get(f"{stage}_kwargs") or {})
@@ -104,9 +109,31 @@ class ToolExecutor:
             return ToolResponse(f"error: {tool.name} could not start: {type(error).__name__}: {error}"), False, 0.0
         return await run_call(tool, arguments, instance, session.kwargs(tool.name, "execute"))
 
+    def reply(self, session: ToolSession, messages: list[dict[str, Any]]) -> Future:
+        """The session's interaction answers the conversation ``messages``: the future holds (whether the dialogue
+        ends, the reply, the turn's score, a problem or None). A failing or hanging interaction (``tool_timeout_s``)
+        ends the dialogue with score 0 and the problem named."""
+        return asyncio.run_coroutine_threadsafe(self._reply(session, list(messages)), self.loop)
+
+    async def _reply(self, session: ToolSession, messages: list[dict[str, Any]]) -> tuple[bool, str, float, str | None]:
+        interaction, kwargs = session.interaction, session.interaction_kwargs
+        try:
+            if session.interaction_id is None:
+                session.interaction_id = await asyncio.wait_for(
+                    interaction.start_interaction(None, **kwargs), self.timeout_s
+                )
+            done, text, score, _ = await asyncio.wait_for(
+                interaction.generate_response(session.interaction_id, messages, **kwargs), self.timeout_s
+            )
+            return bool(done), str(text), float(score), None
+        except Exception as error:
+            kind = f"timed out after {self.timeout_s:g} s" if isinstance(error, asyncio.TimeoutError) else repr(error)
+            return True, "", 0.0, f"{interaction.name}.generate_response: {kind}"
+
     def finish(self, session: ToolSession) -> Future:
-        """Ask each of the session's instances its reward and release it; the future holds (``{tool: reward}``,
-        [what failed]). Each is bounded by ``tool_timeout_s``; a failing reward counts as 0 and is reported."""
+        """Ask each of the session's instances its reward and release it, and finalize its interaction; the future
+        holds (``{tool: reward}``, [what failed]). Each is bounded by ``tool_timeout_s``; a failing reward counts as 0
+        and is reported."""
         return asyncio.run_coroutine_threadsafe(self._finish(session), self.loop)
 
     async def _finish(self, session: ToolSession) -> tuple[dict[str, float], list[str]]:
@@ -127,4 +154,9 @@ class ToolExecutor:
                 await asyncio.wait_for(tool.release(instance, **session.kwargs(name, "release")), self.timeout_s)
             except Exception as error:
                 problems.append(f"{name}.release: {type(error).__name__}: {error}")
+        if session.interaction_id is not None:
+            try:
+                await asyncio.wait_for(session.interaction.finalize_interaction(session.interaction_id), self.timeout_s)
+            except Exception as error:
+                problems.append(f"{session.interaction.name}.finalize_interaction: {type(error).__name__}: {error}")
         return rewards, problems

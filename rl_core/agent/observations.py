@@ -62,9 +62,10 @@ class ObservationEncoder:
             capped = f"{kept_head}...{kept_tail}"
         return capped, capped != text
 
-    def encode(self, answers: list[str]) -> list[int]:
-        """The ids that follow an assistant turn's stop token when the tools answered ``answers``."""
-        messages = BASE + [{"role": "tool", "content": answer} for answer in answers]
+    def encode(self, answers: list[str], role: str = "tool") -> list[int]:
+        """The ids that follow an assistant turn's stop token when the tools answered ``answers`` (``role="user"``:
+        when a simulated user did)."""
+        messages = BASE + [{"role": role, "content": answer} for answer in answers]
         rendered = self._render(messages, add_generation_prompt=True)
         if rendered[: len(self.base_ids)] != self.base_ids:
             raise ValueError(

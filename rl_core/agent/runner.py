@@ -16,8 +16,11 @@ trajectory ends on its last policy token). Round membership depends only on the 
 the tools' timing, so a step re-run draws the same trajectories (``generate`` stays retry-safe when every tool is
 idempotent). Round 0 is exactly the single-turn rollout: with no tools configured the batch is bit-identical to it.
 
-A trajectory ends with ``stop`` (a turn without calls), ``length`` (the response is full), ``max_turns``
-(``max_assistant_turns`` / ``max_user_turns`` reached) or ``parse_error`` (``on_parse_error=stop``).
+A row with an interaction (``extra_info.interaction_kwargs``, :mod:`rl_core.agent.interactions`): a turn without
+calls is answered by the simulated user (its reply appended as a user message, mask 0, like a tool answer), until it
+ends the dialogue. A trajectory ends with ``stop`` (a turn without calls, no interaction), ``interaction`` (the
+interaction ended it), ``length`` (the response is full), ``max_turns`` (``max_assistant_turns`` / ``max_user_turns``
+reached) or ``parse_error`` (``on_parse_error=stop``).
 """
 
 from __future__ import annotations
@@ -30,12 +33,13 @@ from typing import Any
 import torch
 
 from rl_core.agent.executor import CallResult, ToolExecutor, ToolSession, refused
+from rl_core.agent.interactions import configured_interactions
 from rl_core.agent.observations import ObservationEncoder
 from rl_core.agent.parsers import ToolCall, parse_calls
 from rl_core.agent.tools.base import BaseTool
 from rl_core.batch import Batch
-from rl_core.batch_fields import EXTRA_INFO, INPUT_IDS, MULTI_TURN, NUM_TURNS, TEMPERATURE
-from rl_core.data.rows import tools_kwargs_of
+from rl_core.batch_fields import EXTRA_INFO, INPUT_IDS, MULTI_TURN, NUM_TURNS, RAW_PROMPT, TEMPERATURE
+from rl_core.data.rows import interaction_kwargs_of, tools_kwargs_of
 from rl_core.rollout.base import (
     TokenEngine,
     TokenSample,
@@ -48,7 +52,7 @@ from rl_core.rollout.base import (
 )
 
 ROUND_STRIDE = 10_000  # seed parts of round r: r * ROUND_STRIDE + chunk (round 0: the single-turn seeds)
-FINISH_REASONS = ("stop", "length", "max_turns", "parse_error")
+FINISH_REASONS = ("stop", "interaction", "length", "max_turns", "parse_error")
 
 
 @dataclass
@@ -61,16 +65,19 @@ class Trajectory:
     mask: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     assistant_turns: int = 0
-    tool_rounds: int = 0
+    user_turns: int = 0  # rounds of tool answers or of the interaction's replies
     messages: list[dict[str, str]] = field(default_factory=list)
+    context: list[dict[str, Any]] = field(default_factory=list)  # the prompt's messages (what an interaction reads)
     calls: list[dict[str, Any]] = field(default_factory=list)
     pending: list[tuple[ToolCall, concurrent.futures.Future]] = field(default_factory=list)
+    reply: concurrent.futures.Future | None = None  # the interaction's answer to the last turn
     tool_wait_s: float = 0.0  # how long the loop waited for this trajectory's answers after its chunks generated
     finish: str | None = None
     session: ToolSession = field(default_factory=ToolSession)  # its tool instances (rl_core/agent/executor.py)
     tool_rewards: list[float] = field(default_factory=list)  # the calls' step rewards, in call order
     reward_scores: dict[str, float] = field(default_factory=dict)  # each tool's calc_reward at the end
-    tool_problems: list[str] = field(default_factory=list)  # a calc_reward or release that failed
+    tool_problems: list[str] = field(default_factory=list)  # a calc_reward, release or interaction that failed
+    turn_scores: list[float] = field(default_factory=list)  # the interaction's score of each reply
 
     def append(self, ids: list[int], from_policy: bool, log_probs: list[float] | None = None) -> None:
         self.ids += ids
@@ -88,6 +95,7 @@ class Trajectory:
             "tool_wait_s": self.tool_wait_s,
             "tool_rewards": self.tool_rewards,
             "rollout_reward_scores": self.reward_scores,
+            "turn_scores": self.turn_scores,
             **({"tool_problems": self.tool_problems} if self.tool_problems else {}),
         }
 
@@ -104,9 +112,11 @@ class MultiTurnRollout:
         self.chunk_size = int(rollout_config.generation_batch_size)
         self.pad_token_id = tokenizer.pad_token_id
         self.tools = tools
+        self.interactions = configured_interactions(self.settings)
         self.schemas = [tool.tool_schema for tool in tools.values()]
+        answered = bool(tools or self.interactions)  # something may answer a turn
         self.executor = (
-            ToolExecutor(tools, self.settings.tool_timeout_s, self.settings.max_concurrent_tools) if tools else None
+            ToolExecutor(tools, self.settings.tool_timeout_s, self.settings.max_concurrent_tools) if answered else None
         )
         self.observations = (
             ObservationEncoder(
@@ -116,7 +126,7 @@ class MultiTurnRollout:
                 self.settings.max_tool_response_tokens,
                 self.settings.tool_response_truncate_side,
             )
-            if tools
+            if answered
             else None
         )
 
@@ -126,9 +136,10 @@ class MultiTurnRollout:
         rank = data_parallel_rank()
         width = prompts.tensors[INPUT_IDS].shape[1]
         extras = prompts.non_tensors.get(EXTRA_INFO, [None] * len(prompts))
+        raw_prompts = prompts.non_tensors.get(RAW_PROMPT, [[]] * len(prompts))
         trajectories = [
-            Trajectory(context, session=ToolSession(tools_kwargs_of(extra)))
-            for context, extra in zip(prompt_contexts(prompts), extras)
+            Trajectory(ids, session=self._session(extra), context=_as_messages(raw))
+            for ids, extra, raw in zip(prompt_contexts(prompts), extras, raw_prompts)
         ]
         with self.engine.rollout(prompts.meta_info):
             round_index = 0
@@ -155,7 +166,7 @@ class MultiTurnRollout:
         )
         turns = Batch(
             non_tensors={
-                NUM_TURNS: [1 + t.assistant_turns + t.tool_rounds for t in trajectories],
+                NUM_TURNS: [1 + t.assistant_turns + t.user_turns for t in trajectories],
                 MULTI_TURN: [t.summary() for t in trajectories],
             }
         )
@@ -173,7 +184,8 @@ class MultiTurnRollout:
             trajectory.finish = "length"
             return
         calls = parse_calls(self.tokenizer.decode(sample.token_ids), self.settings.format, self.schemas)
-        if not self.tools or not calls:
+        calls = calls if self.tools else []
+        if not calls and trajectory.session.interaction is None:
             trajectory.finish = "stop"
             return
         if self.settings.on_parse_error == "stop" and any(call.error is not None for call in calls):
@@ -181,9 +193,12 @@ class MultiTurnRollout:
             return
         settings = self.settings
         turns_left = settings.max_assistant_turns is None or trajectory.assistant_turns < settings.max_assistant_turns
-        rounds_left = settings.max_user_turns is None or trajectory.tool_rounds < settings.max_user_turns
+        rounds_left = settings.max_user_turns is None or trajectory.user_turns < settings.max_user_turns
         if not (turns_left and rounds_left):
             trajectory.finish = "max_turns"
+            return
+        if not calls:  # the simulated user answers
+            trajectory.reply = self.executor.reply(trajectory.session, trajectory.context + trajectory.messages)
             return
         allowed = int(settings.max_parallel_calls)
         trajectory.pending = [(call, self.executor.submit(call, trajectory.session)) for call in calls[:allowed]]
@@ -192,7 +207,11 @@ class MultiTurnRollout:
         ]
 
     def _append_answers(self, trajectory: Trajectory) -> None:
-        """Append the answers of the trajectory's calls (one delta), or end it when they do not fit."""
+        """Append the answers of the trajectory's calls or its interaction's reply (one delta), or end it when they do
+        not fit."""
+        if trajectory.reply is not None:
+            self._append_reply(trajectory)
+            return
         answers = []
         for call, future in trajectory.pending:
             waiting = time.perf_counter()
@@ -216,20 +235,65 @@ class MultiTurnRollout:
             )
             trajectory.messages.append({"role": "tool", "content": text})
         trajectory.pending = []
-        delta = self.observations.encode(answers)
-        if len(trajectory.ids) + len(delta) >= self.response_length:  # no room for the answer and a next turn
+        self._append_observation(trajectory, self.observations.encode(answers))
+
+    def _append_reply(self, trajectory: Trajectory) -> None:
+        try:
+            done, text, score, problem = trajectory.reply.result(timeout=2 * float(self.settings.tool_timeout_s) + 30)
+        except concurrent.futures.TimeoutError:  # the loop itself is stuck
+            done, text, score, problem = True, "", 0.0, "the interaction did not answer"
+        trajectory.reply = None
+        trajectory.turn_scores.append(score)
+        if problem is not None:
+            trajectory.tool_problems.append(problem)
+        if done:
+            trajectory.finish = "interaction"
+            return
+        trajectory.messages.append({"role": "user", "content": text})
+        self._append_observation(trajectory, self.observations.encode([text], role="user"))
+
+    def _append_observation(self, trajectory: Trajectory, delta: list[int]) -> None:
+        """What answered the last turn, as tokens (mask 0), or the trajectory's end when it and a next turn do not
+        fit."""
+        if len(trajectory.ids) + len(delta) >= self.response_length:
             trajectory.finish = "length"
             return
         trajectory.append(delta, from_policy=False)
-        trajectory.tool_rounds += 1
+        trajectory.user_turns += 1
+
+    def _session(self, extra_info: Any) -> ToolSession:
+        """A trajectory's tools and interaction, from its row's ``extra_info``."""
+        session = ToolSession(tools_kwargs_of(extra_info))
+        wanted = interaction_kwargs_of(extra_info)
+        if wanted is not None:
+            if wanted["name"] not in self.interactions:
+                configured = ", ".join(sorted(self.interactions)) or "none"
+                raise ValueError(
+                    f"a row's extra_info.interaction_kwargs.name is {wanted['name']!r}, which names no interaction of "
+                    f"multi_turn.interaction_config_path (configured: {configured})"
+                )
+            session.interaction, session.interaction_kwargs = self.interactions[wanted["name"]], wanted
+        return session
 
     def _finish_sessions(self, trajectories: list[Trajectory]) -> None:
         """Every trajectory's tool instances asked their rewards and released, all at once."""
-        finishing = [(t, self.executor.finish(t.session)) for t in trajectories if t.session.created]
+        finishing = [
+            (t, self.executor.finish(t.session))
+            for t in trajectories
+            if t.session.created or t.session.interaction_id is not None
+        ]
         for trajectory, future in finishing:
             try:
-                trajectory.reward_scores, trajectory.tool_problems = future.result(
-                    timeout=2 * float(self.settings.tool_timeout_s) * len(trajectory.session.created) + 30
+                trajectory.reward_scores, problems = future.result(
+                    timeout=2 * float(self.settings.tool_timeout_s) * (len(trajectory.session.created) + 1) + 30
                 )
+                trajectory.tool_problems += problems
             except concurrent.futures.TimeoutError:  # the tools' loop itself is stuck
-                trajectory.tool_problems = ["the tools did not answer calc_reward/release"]
+                trajectory.tool_problems.append("the tools did not answer calc_reward/release")
+
+
+def _as_messages(raw_prompt: Any) -> list[dict[str, Any]]:
+    """A row's prompt as chat messages (a plain-string prompt is one user message)."""
+    if isinstance(raw_prompt, str):
+        return [{"role": "user", "content": raw_prompt}]
+    return [dict(message) for message in raw_prompt]

@@ -100,6 +100,7 @@ def validate_row(row: dict, where: str, prompt_key: str = "prompt") -> None:
         raise DatasetError(f"{where} has no 'reward_model.ground_truth' (needed by the rule and custom reward scorers)")
     try:
         tools_kwargs_of(row.get("extra_info"))
+        interaction_kwargs_of(row.get("extra_info"))
     except DatasetError as error:
         raise DatasetError(f"{where}: {error}") from None
 
@@ -125,4 +126,17 @@ def tools_kwargs_of(extra_info: Any) -> dict[str, Any]:
         for stage, value in stages.items():
             if value is not None and not isinstance(value, dict):
                 raise DatasetError(f"extra_info.tools_kwargs.{tool}.{stage} must be a mapping, not {value!r}")
+    return found
+
+
+def interaction_kwargs_of(extra_info: Any) -> dict[str, Any] | None:
+    """The row's ``extra_info.interaction_kwargs`` checked (a mapping whose ``name`` picks the interaction), or None;
+    a DatasetError naming what is wrong otherwise."""
+    found = extra_info.get("interaction_kwargs") if isinstance(extra_info, dict) else None
+    if found is None:
+        return None
+    if not isinstance(found, dict) or not isinstance(found.get("name"), str):
+        raise DatasetError(
+            f"extra_info.interaction_kwargs must be a mapping with a string 'name' (the interaction), not {found!r:.80}"
+        )
     return found

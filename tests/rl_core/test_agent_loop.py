@@ -7,6 +7,7 @@ defined here. The last tests run the real HF engine on the tiny model."""
 
 import asyncio
 import contextlib
+import json
 import random
 import re
 import time
@@ -17,6 +18,7 @@ from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
 from rl_core.agent.checks import check_multi_turn
+from rl_core.agent.interactions import BaseInteraction
 from rl_core.agent.observations import ObservationEncoder, truncate
 from rl_core.agent.parsers import ToolCall, parse_calls
 from rl_core.agent.runner import MultiTurnRollout
@@ -107,6 +109,33 @@ class AnswerTool(BaseTool):
 
     async def release(self, instance_id, **kwargs):
         self.log.append(("release", self.instances.pop(instance_id)["truth"]))
+
+
+class GuessInteraction(BaseInteraction):
+    """verl's GSM8K interaction in small: the last assistant message against the row's ground truth; right ends the
+    dialogue (score 1), wrong asks again (score 0); ``ground_truth: raise`` fails. Every call is logged."""
+
+    log: list[tuple] = []
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.truths: dict[str, str] = {}
+
+    async def start_interaction(self, instance_id=None, ground_truth=None, **kwargs):
+        instance = await super().start_interaction(instance_id)
+        self.truths[instance] = str(ground_truth)
+        self.log.append(("start", ground_truth, kwargs))
+        return instance
+
+    async def generate_response(self, instance_id, messages, **kwargs):
+        self.log.append(("reply", [m["role"] for m in messages]))
+        if self.truths[instance_id] == "raise":
+            raise RuntimeError("the user walked away")
+        right = [m for m in messages if m["role"] == "assistant"][-1]["content"].strip() == self.truths[instance_id]
+        return right, "correct!" if right else "try again", float(right), {}
+
+    async def finalize_interaction(self, instance_id, **kwargs):
+        self.log.append(("finalize", self.truths.pop(instance_id)))
 
 
 @pytest.fixture(scope="module")
@@ -315,6 +344,111 @@ def test_each_trajectory_has_its_own_tool_instances_made_from_its_rows_tools_kwa
         assert merged["rollout_reward_scores"] == info["rollout_reward_scores"]
 
 
+def test_a_simulated_user_answers_turns_without_calls_until_it_ends_the_dialogue(tmp_path, tokenizer):
+    """verl's interactions: a row's extra_info.interaction_kwargs picks the interaction of interaction_config_path; a
+    turn without calls gets its reply as a user message (mask 0) and the policy speaks again, until it ends the
+    dialogue; its scores reach extra_info as turn_scores; a failing one ends the trajectory, named."""
+    config = tmp_path / "interactions.yaml"
+    config.write_text(
+        "interaction:\n  - name: guess\n    class_name: tests.rl_core.test_agent_loop.GuessInteraction\n"
+        "    config: {}\n"
+    )
+    prompts = prompts_of(tmp_path, tokenizer, 3)
+    prompts.non_tensors["extra_info"][0] = {"interaction_kwargs": {"name": "guess", "ground_truth": 7}}
+    prompts.non_tensors["extra_info"][2] = {"interaction_kwargs": {"name": "guess", "ground_truth": "raise"}}
+    script = [
+        [turn(tokenizer, "6"), turn(tokenizer, "7"), turn(tokenizer, "unused")],
+        [turn(tokenizer, "done")],
+        [turn(tokenizer, "1"), turn(tokenizer, "unused")],
+    ]
+    GuessInteraction.log.clear()
+    out, _ = run(tokenizer, prompts, script, {}, interaction_config_path=str(config))
+    infos = list(out.non_tensors["multi_turn"])
+    assert [info["finish_reason"] for info in infos] == ["interaction", "stop", "interaction"]
+    assert [info["turn_scores"] for info in infos] == [[0.0, 1.0], [], [0.0]]
+    assert list(out.non_tensors["num_turns"]) == [4, 2, 2]
+    assert infos[0]["messages"] == [
+        {"role": "assistant", "content": "6"},
+        {"role": "user", "content": "try again"},
+        {"role": "assistant", "content": "7"},
+    ]
+    assert infos[2]["tool_problems"] == ["guess.generate_response: RuntimeError('the user walked away')"]
+    # the layout: turn "6", the user's reply as the template renders it (mask 0), turn "7"
+    encoder = ObservationEncoder(tokenizer, [tokenizer.eos_token_id], 256, 64, "middle")
+    reply = encoder.encode(["try again"], role="user")
+    expected = turn(tokenizer, "6") + reply + turn(tokenizer, "7")
+    length = int(out.tensors["attention_mask"][0, 16:].sum())
+    assert out.tensors["responses"][0, :length].tolist() == expected
+    mask = [1] * len(turn(tokenizer, "6")) + [0] * len(reply) + [1] * len(turn(tokenizer, "7"))
+    assert out.tensors["response_mask"][0, :length].tolist() == mask
+    log = GuessInteraction.log
+    assert ("start", 7, {"name": "guess"}) in log
+    assert ("reply", ["user", "assistant"]) in log  # the prompt's messages first
+    assert sorted(str(entry[1]) for entry in log if entry[0] == "finalize") == ["7", "raise"]
+
+    row = {"name": "nobody", "ground_truth": 1}
+    prompts.non_tensors["extra_info"][1] = {"interaction_kwargs": row}
+    with pytest.raises(ValueError, match="'nobody', which names no interaction of .*configured: guess"):
+        run(tokenizer, prompts, script, {}, interaction_config_path=str(config))
+
+
+def test_a_verl_multi_turn_row_and_its_tool_and_interaction_configs_run_unchanged(tmp_path, tokenizer):
+    """A row as verl's GSM8K multi-turn preprocessing writes it (system + user prompt, ``need_tools_kwargs``,
+    ``tools_kwargs.<tool>.create_kwargs.ground_truth``, ``interaction_kwargs`` with ``name``, ``query`` and
+    ``ground_truth``), a tool YAML and an interaction YAML in verl's layout: read by the dataset as they are, and the
+    rollout gives the tool its ground truth and the interaction its row."""
+    question = "Natalia sold clips to 48 of her friends in April, and then half as many in May. How many in all?"
+    row = {
+        "data_source": "openai/gsm8k",
+        "prompt": [
+            {"role": "system", "content": "You are a math expert. Call `submit` with your answer."},
+            {"role": "user", "content": question},
+        ],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": "72"},
+        "extra_info": {
+            "split": "train",
+            "index": 0,
+            "answer": "Natalia sold 48/2 = 24 clips in May. #### 72",
+            "question": question,
+            "need_tools_kwargs": True,
+            "tools_kwargs": {"submit": {"create_kwargs": {"ground_truth": "72"}}},
+            "interaction_kwargs": {"name": "gsm8k", "query": question, "ground_truth": "72"},
+        },
+    }
+    (tmp_path / "train.jsonl").write_text(json.dumps(row) + "\n")
+    tools_yaml = write(
+        tmp_path / "tools.yaml",
+        "tools:\n  - class_name: tests.rl_core.test_agent_loop.AnswerTool\n    config:\n      type: native\n"
+        "    tool_schema:\n      type: function\n      function:\n        name: submit\n"
+        "        description: Submit the answer\n        parameters:\n          type: object\n"
+        "          properties:\n            answer: {type: string, description: the answer}\n"
+        "          required: [answer]\n",
+    )
+    interactions_yaml = write(
+        tmp_path / "interactions.yaml",
+        'interaction:\n  - name: "gsm8k"\n    class_name: "tests.rl_core.test_agent_loop.GuessInteraction"\n'
+        "    config: {}\n",
+    )
+    data = OmegaConf.structured(DataConfig(max_prompt_length=192, max_response_length=160))
+    dataset = RLDataset(str(tmp_path / "train.jsonl"), tokenizer, data)
+    prompts = dataset.collate([0], uid_prefix="v-")
+    prompts.meta_info["global_step"] = 1
+    AnswerTool.log.clear()
+    GuessInteraction.log.clear()
+    script = [[turn(tokenizer, submit(70)), turn(tokenizer, "70"), turn(tokenizer, "72"), turn(tokenizer, "unused")]]
+    engine = ScriptedEngine(dict(zip(prompt_keys(prompts), script)), [tokenizer.eos_token_id])
+    settings = {"tool_config_path": str(tools_yaml), "interaction_config_path": str(interactions_yaml)}
+    config = OmegaConf.merge(rollout_config(**settings), {"prompt_length": 192})
+    out = MultiTurnRollout(engine, tokenizer, config, load_tools(tools_yaml)).generate_sequences(prompts)
+    info = out.non_tensors["multi_turn"][0]
+    assert info["finish_reason"] == "interaction" and info["turn_scores"] == [0.0, 1.0]
+    assert info["tool_rewards"] == [-0.05] and info["rollout_reward_scores"] == {"submit": 0.0}
+    assert ("create", "72") in AnswerTool.log
+    assert ("start", "72", {"name": "gsm8k", "query": question}) in GuessInteraction.log
+    assert ("reply", ["system", "user", "assistant", "tool", "assistant"]) in GuessInteraction.log
+
+
 @pytest.mark.parametrize(
     "tools_kwargs, problem",
     [
@@ -416,6 +550,14 @@ def test_multi_turn_without_tools_gives_the_single_turn_batch(tmp_path, config):
     assert set(out.non_tensors["num_turns"]) == {2}
 
 
+BAD_INTERACTION = "interaction:\n  - {name: x, class_name: rl_core.agent.tools.calculator.CalculatorTool}\n"
+
+
+def write(path, text):
+    path.write_text(text)
+    return path
+
+
 def test_the_config_refuses_what_multi_turn_cannot_run(tmp_path):
     rollout = rollout_config(tool_config_path=CALC_TOOLS)
     check_multi_turn(rollout)
@@ -425,6 +567,14 @@ def test_the_config_refuses_what_multi_turn_cannot_run(tmp_path):
         ({"multi_turn": {"max_user_turns": 0}}, "max_user_turns=0: at least 1"),
         ({"multi_turn": {"tool_config_path": str(tmp_path / "none.yaml")}}, "none.yaml: cannot read it"),
         ({"multi_turn": {"format": "tag", "tool_config_path": None}}, "needs exactly one tool"),
+        (
+            {"multi_turn": {"interaction_config_path": CALC_TOOLS}},
+            "interaction_config_path: .*calculator.yaml: expected `interaction:` with a list",
+        ),
+        (
+            {"multi_turn": {"interaction_config_path": str(write(tmp_path / "i.yaml", BAD_INTERACTION))}},
+            "entry 0: rl_core.agent.tools.calculator.CalculatorTool is not a BaseInteraction",
+        ),
     ]:
         with pytest.raises(ConfigValueError, match=message):
             check_multi_turn(OmegaConf.merge(rollout, change))

@@ -10,14 +10,12 @@ Every problem names the file and the tool (its position and name)."""
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from rl_core.agent.tools import calculator, python_sandbox
 from rl_core.agent.tools.base import BaseTool
+from rl_core.agent.yaml_classes import import_class, yaml_entries
 
 BUILTIN = {
     "calculator": (calculator.CalculatorTool, calculator.SCHEMA),
@@ -38,17 +36,8 @@ def builtin_tool(name: str, config: dict[str, Any] | None = None) -> BaseTool:
 
 def load_tools(path: str | Path) -> dict[str, BaseTool]:
     """{name: tool} of the tool YAML at ``path``."""
-    path = Path(path)
-    try:
-        document = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as error:
-        raise ToolConfigError(f"tool config {path}: cannot read it ({error})") from None
-    entries = document.get("tools") if isinstance(document, dict) else None
-    if not isinstance(entries, list) or not entries:
-        raise ToolConfigError(f"tool config {path}: expected `tools:` with a list of tools")
     tools: dict[str, BaseTool] = {}
-    for index, entry in enumerate(entries):
-        where = f"tool config {path}, tool {index}"
+    for where, entry in yaml_entries(path, "tools", "tool config", "tool", ToolConfigError):
         if not isinstance(entry, dict) or not {"class_name", "tool_schema"} <= set(entry):
             raise ToolConfigError(f"{where}: needs class_name and tool_schema (and optionally config)")
         try:
@@ -56,13 +45,7 @@ def load_tools(path: str | Path) -> dict[str, BaseTool]:
         except (KeyError, TypeError):
             raise ToolConfigError(f"{where}: tool_schema needs function.name (OpenAI's function schema)") from None
         where = f"{where} ({name})"
-        module_name, _, class_name = str(entry["class_name"]).rpartition(".")
-        try:
-            cls = getattr(importlib.import_module(module_name), class_name)
-        except (ImportError, AttributeError, ValueError) as error:
-            raise ToolConfigError(f"{where}: cannot import class_name {entry['class_name']!r} ({error})") from None
-        if not (isinstance(cls, type) and issubclass(cls, BaseTool)):
-            raise ToolConfigError(f"{where}: {entry['class_name']} is not a BaseTool (rl_core.agent.tools.base)")
+        cls = import_class(entry["class_name"], where, BaseTool, ToolConfigError)
         if name in tools:
             raise ToolConfigError(f"{where}: a second tool named {name!r}")
         try:
