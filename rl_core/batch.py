@@ -271,3 +271,12 @@ def response_ends(response_mask: torch.Tensor) -> torch.Tensor:
     its score belongs on the last policy token and its text runs up to it."""
     positions = torch.arange(1, response_mask.shape[-1] + 1, device=response_mask.device)
     return (response_mask.bool() * positions).amax(dim=-1).long()
+
+
+def response_turns(response_mask: torch.Tensor) -> torch.Tensor:
+    """Per response token, the index of the policy turn it belongs to (0, 1, ...), -1 off the policy's tokens. A turn is
+    a maximal run of 1s in ``response_mask``: a multi-turn response's turns are separated by what answered them (tool
+    output, a user's reply: never empty, masked 0); a single-turn response is turn 0."""
+    policy = response_mask.bool()
+    starts = policy & ~torch.nn.functional.pad(policy[:, :-1], (1, 0), value=False)
+    return torch.where(policy, starts.long().cumsum(dim=-1) - 1, torch.full_like(response_mask, -1, dtype=torch.long))

@@ -78,6 +78,7 @@ class Trajectory:
     reward_scores: dict[str, float] = field(default_factory=dict)  # each tool's calc_reward at the end
     tool_problems: list[str] = field(default_factory=list)  # a calc_reward, release or interaction that failed
     turn_scores: list[float] = field(default_factory=list)  # the interaction's score of each reply
+    turn_rewards: list[float] = field(default_factory=list)  # per policy turn: its calls' step rewards + reply score
 
     def append(self, ids: list[int], from_policy: bool, log_probs: list[float] | None = None) -> None:
         self.ids += ids
@@ -96,6 +97,7 @@ class Trajectory:
             "tool_rewards": self.tool_rewards,
             "rollout_reward_scores": self.reward_scores,
             "turn_scores": self.turn_scores,
+            "turn_rewards": self.turn_rewards,
             **({"tool_problems": self.tool_problems} if self.tool_problems else {}),
         }
 
@@ -178,6 +180,7 @@ class MultiTurnRollout:
         """Append the policy's turn; read its calls and start them, or end the trajectory."""
         trajectory.append(sample.token_ids, from_policy=True, log_probs=sample.log_probs)
         trajectory.assistant_turns += 1
+        trajectory.turn_rewards.append(0.0)
         text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
         trajectory.messages.append({"role": "assistant", "content": text})
         if sample.finish_reason == "length" or len(trajectory.ids) >= self.response_length:
@@ -221,6 +224,7 @@ class MultiTurnRollout:
                 result = CallResult(f"error: {call.name} did not answer", "timeout", float("nan"))
             trajectory.tool_wait_s += time.perf_counter() - waiting
             trajectory.tool_rewards.append(result.reward)
+            trajectory.turn_rewards[-1] += result.reward
             text, truncated = self.observations.cap(result.text)
             answers.append(text)
             trajectory.calls.append(
@@ -244,6 +248,7 @@ class MultiTurnRollout:
             done, text, score, problem = True, "", 0.0, "the interaction did not answer"
         trajectory.reply = None
         trajectory.turn_scores.append(score)
+        trajectory.turn_rewards[-1] += score
         if problem is not None:
             trajectory.tool_problems.append(problem)
         if done:

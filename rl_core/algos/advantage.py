@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from rl_core.algos.masked import masked_whiten
+from rl_core.batch import response_turns
 from rl_core.config_access import config_get
 
 AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -208,6 +209,57 @@ def compute_rloo_outcome_advantage(
         advantage = torch.where(n > 1, leave_one_out, scores)
         advantages = advantage.unsqueeze(-1) * response_mask
     return advantages, advantages
+
+
+@register_adv_est("turn_rloo")
+def compute_turn_rloo_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any,
+    config: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Turn-level RLOO: each policy turn gets its own advantage (a multi-turn response's turns are the runs of
+    ``response_mask``: :func:`rl_core.batch.response_turns`; a single turn makes this RLOO exactly).
+
+    With r_{i,k} the rewards of sample i's turn k (its token rewards summed: a tool's or an interaction's reward at the
+    turn's end, the outcome score at the response's last token) and T_i its number of turns, the return-to-go from
+    turn t is G_{i,t} = sum_{k=t}^{T_i - 1} r_{i,k}, and every token of turn t gets
+
+        A_{i,t} = G_{i,t} - b_{i,t},   b_{i,t} = mean over the other samples j != i of i's group with T_j > t of
+                                         G_{j,t} (0 when no other sample reached turn t).
+
+    Unbiased when the policy decides when to stop: b_{i,t} depends on turn t (sample i's state) and on the other
+    samples, drawn independently of sample i given the prompt, never on sample i's own actions at turns >= t, so
+    E[grad log pi(a_{i,t} | s_{i,t}) b_{i,t}] = 0; G_{i,t} leaves out the rewards before turn t, which turn t's
+    actions cannot change. Normalising per turn index and summing the per-turn normalised rewards from t to T_i - 1
+    (MT-GRPO's construction, verl RFC #7244) subtracts sum_{k=t}^{T_i - 1} mean_k instead: a baseline whose number of
+    terms is sample i's own stopping turn, which biases the gradient (tests/rl_core/test_turn_advantage.py shows both
+    by exact enumeration)."""
+    with torch.no_grad():
+        turns = response_turns(response_mask)
+        rows, length = turns.shape
+        count = int(turns.max()) + 1 if turns.numel() else 0
+        count = max(count, 1)
+        slots = (turns + 1).clamp(min=0)  # slot 0 collects the tokens off the policy's turns
+        per_turn = torch.zeros(rows, count + 1, dtype=token_level_rewards.dtype, device=token_level_rewards.device)
+        per_turn.scatter_add_(1, slots, token_level_rewards * (turns >= 0))
+        rewards = per_turn[:, 1:]
+        returns = rewards.flip(-1).cumsum(-1).flip(-1)  # G_{i,t}
+        reached = torch.arange(count, device=turns.device) <= turns.max(dim=-1, keepdim=True).values  # T_i > t
+        group, groups = group_numbers(index, token_level_rewards.device)
+        if group.numel() != rows:
+            raise ValueError(f"index has {group.numel()} group ids for {rows} samples")
+        kept = returns * reached
+        total = torch.zeros(groups, count, dtype=returns.dtype, device=returns.device).index_add_(0, group, kept)
+        reached_float = reached.to(returns.dtype)
+        number = torch.zeros_like(total).index_add_(0, group, reached_float)
+        others = (number[group] - reached_float).clamp(min=0)
+        baseline = torch.where(others > 0, (total[group] - kept) / others.clamp(min=1), torch.zeros_like(kept))
+        advantage = (returns - baseline) * reached
+        per_token = torch.gather(advantage, 1, turns.clamp(min=0)) * (turns >= 0)
+        per_token = per_token * response_mask
+    return per_token, per_token
 
 
 @register_adv_est("opo")

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from rl_core.batch import Batch, response_ends
+from rl_core.batch import Batch, response_ends, response_turns
 from rl_core.batch_fields import EXTRA_INFO, MULTI_TURN, NUM_TURNS, RESPONSE_MASK, RESPONSES, REWARD_MODEL
 from rl_core.config import DataConfig, RewardConfig
 from rl_core.reward.scorers import default_compute_score
@@ -91,6 +91,7 @@ class RewardManager:
             reward_config.on_error,
         )
         self.timeout_s = reward_config.timeout_s
+        self.turn_rewards = bool(reward_config.turn_rewards)
         overlong = reward_config.overlong_buffer
         self.overlong_enabled = bool(overlong.enable)
         self.overlong_len = int(overlong.len)
@@ -136,6 +137,8 @@ class RewardManager:
         token_level_scores = torch.zeros(response_mask.shape, dtype=torch.float32)
         rows = torch.arange(len(batch))
         token_level_scores[rows, (ends - 1).clamp(min=0)] = scores_t * (ends > 0).float()
+        if self.turn_rewards and MULTI_TURN in batch.non_tensors:
+            metrics |= add_turn_rewards(token_level_scores, response_mask, batch.non_tensors[MULTI_TURN])
         return RewardResult(token_level_scores, extra_info, metrics)
 
     def _score_in_time(
@@ -222,6 +225,21 @@ class RewardManager:
                 "Fix the scorer, or set reward.on_error=zero to score such batches 0"
             ) from error
         return [0.0] * n, {}, n
+
+
+def add_turn_rewards(token_level_scores: torch.Tensor, response_mask: torch.Tensor, trajectories: Any) -> dict:
+    """Each trajectory's ``turn_rewards[k]`` added on the last token of its policy turn k (in place); the metrics
+    ``reward/turn_<k>/mean`` over the samples that reached turn k."""
+    turns = response_turns(response_mask)
+    by_turn: dict[int, list[float]] = {}
+    for row, trajectory in enumerate(trajectories):
+        for turn, reward in enumerate(trajectory.get("turn_rewards") or []):
+            positions = (turns[row] == turn).nonzero()
+            if len(positions) == 0:  # a turn cut off by the response's length
+                continue
+            token_level_scores[row, positions[-1, 0]] += float(reward)
+            by_turn.setdefault(turn, []).append(float(reward))
+    return {f"reward/turn_{turn}/mean": sum(values) / len(values) for turn, values in sorted(by_turn.items())}
 
 
 def build_reward_manager(config: Any, tokenizer: Any, compute_score: Callable | None = None) -> RewardManager:

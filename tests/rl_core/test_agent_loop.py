@@ -24,11 +24,14 @@ from rl_core.agent.parsers import ToolCall, parse_calls
 from rl_core.agent.runner import MultiTurnRollout
 from rl_core.agent.tools.base import BaseTool, ToolResponse
 from rl_core.agent.tools.registry import builtin_tool, load_tools, tool_schemas
-from rl_core.config import ConfigValueError, DataConfig, RolloutConfig
+from rl_core.algos.advantage import compute_turn_rloo_advantage
+from rl_core.batch import response_turns
+from rl_core.config import ConfigValueError, DataConfig, RewardConfig, RolloutConfig
 from rl_core.data.dataset import RLDataset
 from rl_core.data.rows import DatasetError, validate_row
 from rl_core.metrics import multi_turn_metrics
 from rl_core.models.loading import load_policy_model
+from rl_core.reward.manager import RewardManager
 from rl_core.rollout import build_rollout_engine
 from rl_core.rollout.base import cut_at_stop
 from rl_core.sft import SFTExample, encode_example
@@ -447,6 +450,38 @@ def test_a_verl_multi_turn_row_and_its_tool_and_interaction_configs_run_unchange
     assert ("create", "72") in AnswerTool.log
     assert ("start", "72", {"name": "gsm8k", "query": question}) in GuessInteraction.log
     assert ("reply", ["system", "user", "assistant", "tool", "assistant"]) in GuessInteraction.log
+
+
+def test_each_turns_reward_lands_on_its_last_token_for_turn_level_advantages(tmp_path, tokenizer):
+    """reward.turn_rewards: a turn's tool step rewards and the interaction's score of the reply to it go on the turn's
+    last token, the outcome score on the response's last; turn_rloo then gives each turn its own return-to-go."""
+    prompts = prompts_of(tmp_path, tokenizer, 2)
+    for row in range(2):
+        prompts.non_tensors["extra_info"][row] = {"tools_kwargs": {"submit": {"create_kwargs": {"ground_truth": 7}}}}
+    script = [
+        [turn(tokenizer, submit(6)), turn(tokenizer, submit(7)), turn(tokenizer, "done")],
+        [turn(tokenizer, "7")],
+    ]
+    out, _ = run(tokenizer, prompts, script, {"submit": AnswerTool()})
+    assert [info["turn_rewards"] for info in out.non_tensors["multi_turn"]] == [[-0.05, 1.0, 0.0], [0.0]]
+    scorer = RewardManager(
+        tokenizer, lambda data_source, solution_str, ground_truth, extra_info: 0.5, RewardConfig(turn_rewards=True)
+    )
+    result = scorer(out)
+    mask = out.tensors["response_mask"]
+    turns = response_turns(mask)
+    ends = [[int((turns[row] == k).nonzero()[-1, 0]) for k in range(int(turns[row].max()) + 1)] for row in range(2)]
+    scores = result.token_level_scores
+    assert [scores[0, p].item() for p in ends[0]] == pytest.approx([-0.05, 1.0, 0.5])
+    assert scores[1, ends[1][0]].item() == pytest.approx(0.5)
+    assert int((scores != 0).sum()) == 4
+    assert result.metrics["reward/turn_0/mean"] == pytest.approx(-0.025)
+    assert result.metrics["reward/turn_1/mean"] == pytest.approx(1.0)
+    advantages, _ = compute_turn_rloo_advantage(scores, mask, ["q", "q"])
+    # returns-to-go 1.45, 1.5, 0.5 for the first sample, 0.5 for the second; turn t's baseline: the other's G_t
+    assert advantages[0, ends[0][0]].item() == pytest.approx(1.45 - 0.5)
+    assert advantages[0, ends[0][1]].item() == pytest.approx(1.5)
+    assert advantages[1, ends[1][0]].item() == pytest.approx(0.5 - 1.45)
 
 
 @pytest.mark.parametrize(
