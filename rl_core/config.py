@@ -327,7 +327,7 @@ class RewardConfig:
     timeout_s: float | None = 600.0
     # multi-turn: also put each policy turn's reward (its tool calls' step rewards + the interaction's score of the
     # reply to it) on the turn's last token, besides the outcome score on the response's last (see
-    # algorithm.adv_estimator=turn_rloo, which gives each turn its own advantage)
+    # algorithm.adv_estimator=turn_rloo, which gives each turn its own advantage); validation scores the outcome only
     turn_rewards: bool = False
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 

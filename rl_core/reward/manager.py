@@ -28,7 +28,15 @@ from typing import Any
 import torch
 
 from rl_core.batch import Batch, response_ends, response_turns
-from rl_core.batch_fields import EXTRA_INFO, MULTI_TURN, NUM_TURNS, RESPONSE_MASK, RESPONSES, REWARD_MODEL
+from rl_core.batch_fields import (
+    EXTRA_INFO,
+    MULTI_TURN,
+    NUM_TURNS,
+    RESPONSE_MASK,
+    RESPONSES,
+    REWARD_MODEL,
+    VALIDATE,
+)
 from rl_core.config import DataConfig, RewardConfig
 from rl_core.reward.scorers import default_compute_score
 
@@ -137,7 +145,7 @@ class RewardManager:
         token_level_scores = torch.zeros(response_mask.shape, dtype=torch.float32)
         rows = torch.arange(len(batch))
         token_level_scores[rows, (ends - 1).clamp(min=0)] = scores_t * (ends > 0).float()
-        if self.turn_rewards and MULTI_TURN in batch.non_tensors:
+        if self.turn_rewards and MULTI_TURN in batch.non_tensors and not batch.meta_info.get(VALIDATE):
             metrics |= add_turn_rewards(token_level_scores, response_mask, batch.non_tensors[MULTI_TURN])
         return RewardResult(token_level_scores, extra_info, metrics)
 

@@ -477,6 +477,9 @@ def test_each_turns_reward_lands_on_its_last_token_for_turn_level_advantages(tmp
     assert int((scores != 0).sum()) == 4
     assert result.metrics["reward/turn_0/mean"] == pytest.approx(-0.025)
     assert result.metrics["reward/turn_1/mean"] == pytest.approx(1.0)
+    out.meta_info["validate"] = True  # validation scores the outcome alone
+    assert int((scorer(out).token_level_scores != 0).sum()) == 2
+    out.meta_info.pop("validate")
     advantages, _ = compute_turn_rloo_advantage(scores, mask, ["q", "q"])
     # returns-to-go 1.45, 1.5, 0.5 for the first sample, 0.5 for the second; turn t's baseline: the other's G_t
     assert advantages[0, ends[0][0]].item() == pytest.approx(1.45 - 0.5)
