@@ -41,6 +41,7 @@ SEQUENCE = (INPUT_IDS, ATTENTION_MASK, POSITION_IDS, RESPONSES, RESPONSE_MASK)
 
 # ---------------------------------------------------------------------------------------------- per-sample objects
 UID = "uid"  # the prompt's id: the samples of one prompt share it (GRPO's groups)
+AGENT_NAME = "agent_name"  # the row's agent loop (verl's column; "" = the run's default)
 DATA_SOURCE = "data_source"  # picks the rule scorer (data.reward_fn_key names the column)
 REWARD_MODEL = "reward_model"  # {"ground_truth": ...}
 EXTRA_INFO = "extra_info"  # the dataset row's extra_info dict

@@ -202,6 +202,14 @@ class MultiTurnConfig:
 
 
 @dataclass
+class AgentConfig:
+    """verl's ``rollout.agent``: which agent loop a row without an ``agent_name`` column runs."""
+
+    # single_turn_agent | tool_agent (rl_core.agent.runner); null: tool_agent with multi_turn.enable, else single turn
+    default_agent_loop: str | None = None
+
+
+@dataclass
 class RolloutConfig:
     name: str = "hf"  # hf (CPU or GPU) | vllm (GPU: `pip install 'ppoflow[gpu]'`; CPU: vLLM's CPU build, README)
     n: int = 1  # responses per prompt (GRPO, RLOO, ... need several)
@@ -235,6 +243,7 @@ class RolloutConfig:
     seed: int = 42  # sampling is seeded by (seed, step, rank, chunk): a re-run step draws the same samples
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
 
 
 @dataclass

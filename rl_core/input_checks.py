@@ -48,6 +48,12 @@ def data_problems(config: Any) -> list[str]:
                 count, first = peek_rows(path, ROWS_CHECKED)
                 for number, row in enumerate(first):
                     validate_row(row, f"{path}: row {number}", config.data.prompt_key)
+                    if row.get("agent_name") == "tool_agent" and not config.actor_rollout_ref.rollout.multi_turn.enable:
+                        raise DatasetError(
+                            f"{path}: row {number} has agent_name tool_agent: set "
+                            "actor_rollout_ref.rollout.multi_turn.enable=true (and its tool_config_path or "
+                            "interaction_config_path)"
+                        )
             except DatasetError as error:
                 problems.append(f"{key}: {error}")
                 continue

@@ -9,13 +9,25 @@ from rl_core.agent.interactions import InteractionConfigError, configured_intera
 from rl_core.agent.parsers import tag_argument
 from rl_core.agent.tools.registry import ToolConfigError, configured_tools
 from rl_core.config import ConfigValueError
+from rl_core.data.rows import AGENT_LOOPS
 
 
 def check_multi_turn(rollout: Any) -> None:
-    """Refuse a multi-turn setting that cannot run: vLLM with tensor parallelism, a turn limit below 1, a
-    tool or interaction YAML that does not load, ``format=tag`` without exactly one tool of one required argument."""
+    """Refuse a multi-turn setting that cannot run: an unknown default agent loop, or tool_agent without multi-turn
+    rollouts; vLLM with tensor parallelism, a turn limit below 1, a tool or interaction YAML that does not load,
+    ``format=tag`` without exactly one tool of one required argument."""
     settings = rollout.multi_turn
     key = "actor_rollout_ref.rollout.multi_turn"
+    default = rollout.agent.default_agent_loop
+    if default is not None and default not in AGENT_LOOPS:
+        raise ConfigValueError(
+            f"actor_rollout_ref.rollout.agent.default_agent_loop={default!r}: choose one of {', '.join(AGENT_LOOPS)}"
+        )
+    if default == "tool_agent" and not settings.enable:
+        raise ConfigValueError(
+            "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent needs "
+            f"{key}.enable=true (and its tool_config_path or interaction_config_path)"
+        )
     if not settings.enable:
         return
     if rollout.name == "vllm" and int(rollout.tensor_model_parallel_size) > 1:

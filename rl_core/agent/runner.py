@@ -16,6 +16,8 @@ trajectory ends on its last policy token). Round membership depends only on the 
 the tools' timing, so a step re-run draws the same trajectories (``generate`` stays retry-safe when every tool is
 idempotent). Round 0 is exactly the single-turn rollout: with no tools configured the batch is bit-identical to it.
 
+A row whose ``agent_name`` is ``single_turn_agent`` (verl's column; ``rollout.agent.default_agent_loop`` for rows
+without one, ``tool_agent`` by default) ends after its first turn, whatever it says; ``tool_agent`` rows run the loop.
 A row with an interaction (``extra_info.interaction_kwargs``, :mod:`rl_core.agent.interactions`): a turn without
 calls is answered by the simulated user (its reply appended as a user message, mask 0, like a tool answer), until it
 ends the dialogue. A trajectory ends with ``stop`` (a turn without calls, no interaction), ``interaction`` (the
@@ -38,7 +40,7 @@ from rl_core.agent.observations import ObservationEncoder
 from rl_core.agent.parsers import ToolCall, parse_calls
 from rl_core.agent.tools.base import BaseTool
 from rl_core.batch import Batch
-from rl_core.batch_fields import EXTRA_INFO, INPUT_IDS, MULTI_TURN, NUM_TURNS, RAW_PROMPT, TEMPERATURE
+from rl_core.batch_fields import AGENT_NAME, EXTRA_INFO, INPUT_IDS, MULTI_TURN, NUM_TURNS, RAW_PROMPT, TEMPERATURE
 from rl_core.data.rows import interaction_kwargs_of, tools_kwargs_of
 from rl_core.rollout.base import (
     TokenEngine,
@@ -73,6 +75,7 @@ class Trajectory:
     reply: concurrent.futures.Future | None = None  # the interaction's answer to the last turn
     tool_wait_s: float = 0.0  # how long the loop waited for this trajectory's answers after its chunks generated
     finish: str | None = None
+    single_turn: bool = False  # its row's agent loop is single_turn_agent
     session: ToolSession = field(default_factory=ToolSession)  # its tool instances (rl_core/agent/executor.py)
     tool_rewards: list[float] = field(default_factory=list)  # the calls' step rewards, in call order
     reward_scores: dict[str, float] = field(default_factory=dict)  # each tool's calc_reward at the end
@@ -139,9 +142,11 @@ class MultiTurnRollout:
         width = prompts.tensors[INPUT_IDS].shape[1]
         extras = prompts.non_tensors.get(EXTRA_INFO, [None] * len(prompts))
         raw_prompts = prompts.non_tensors.get(RAW_PROMPT, [[]] * len(prompts))
+        default = self.config.agent.default_agent_loop or "tool_agent"
+        agents = [name or default for name in prompts.non_tensors.get(AGENT_NAME, [""] * len(prompts))]
         trajectories = [
-            Trajectory(ids, session=self._session(extra), context=_as_messages(raw))
-            for ids, extra, raw in zip(prompt_contexts(prompts), extras, raw_prompts)
+            Trajectory(ids, session=self._session(extra), context=_as_messages(raw), single_turn=agent != "tool_agent")
+            for ids, extra, raw, agent in zip(prompt_contexts(prompts), extras, raw_prompts, agents)
         ]
         with self.engine.rollout(prompts.meta_info):
             round_index = 0
@@ -185,6 +190,9 @@ class MultiTurnRollout:
         trajectory.messages.append({"role": "assistant", "content": text})
         if sample.finish_reason == "length" or len(trajectory.ids) >= self.response_length:
             trajectory.finish = "length"
+            return
+        if trajectory.single_turn:
+            trajectory.finish = "stop"
             return
         calls = parse_calls(self.tokenizer.decode(sample.token_ids), self.settings.format, self.schemas)
         calls = calls if self.tools else []

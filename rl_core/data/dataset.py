@@ -6,6 +6,7 @@ A row::
     prompt        list of {"role", "content"}  chat messages (or a plain string: tokenized as raw text)
     ability       str                          optional
     reward_model  {"ground_truth": ..., ...}   what the scorer compares against
+    agent_name    str                          optional: single_turn_agent or tool_agent (verl's agent loops)
     extra_info    dict                         optional, passed to the scorer; a multi-turn row's
                                                ``tools_kwargs`` ({tool: {create_kwargs, execute_kwargs,
                                                calc_reward_kwargs, release_kwargs}}) go to its tool instances
@@ -26,6 +27,7 @@ import torch
 
 from rl_core.batch import Batch
 from rl_core.batch_fields import (
+    AGENT_NAME,
     ATTENTION_MASK,
     DATA_SOURCE,
     EXTRA_INFO,
@@ -119,5 +121,6 @@ class RLDataset:
             "ability": [r.get("ability", "") for r in rows],
             RAW_PROMPT: [r[self.prompt_key] for r in rows],
             UID: [f"{uid_prefix}{i}" for i in indices],
+            AGENT_NAME: [r.get("agent_name") or "" for r in rows],
         }
         return Batch({INPUT_IDS: input_ids, ATTENTION_MASK: attention_mask, POSITION_IDS: position_ids}, non_tensors)

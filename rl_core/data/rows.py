@@ -98,12 +98,18 @@ def validate_row(row: dict, where: str, prompt_key: str = "prompt") -> None:
     reward_model = row.get("reward_model")
     if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
         raise DatasetError(f"{where} has no 'reward_model.ground_truth' (needed by the rule and custom reward scorers)")
+    agent = row.get("agent_name")
+    if agent is not None and agent not in AGENT_LOOPS:
+        raise DatasetError(f"{where}: agent_name {agent!r} is not one of {', '.join(AGENT_LOOPS)}")
     try:
         tools_kwargs_of(row.get("extra_info"))
         interaction_kwargs_of(row.get("extra_info"))
     except DatasetError as error:
         raise DatasetError(f"{where}: {error}") from None
 
+
+# verl's agent loops a row may name (its agent_name column): one turn, or the loop with tools and interactions
+AGENT_LOOPS = ("single_turn_agent", "tool_agent")
 
 # verl's per-tool lifecycle keys of a multi-turn row's extra_info.tools_kwargs.<tool> (rl_core/agent/executor.py)
 LIFECYCLE_KWARGS = ("create_kwargs", "execute_kwargs", "calc_reward_kwargs", "release_kwargs")

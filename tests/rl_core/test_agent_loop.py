@@ -487,20 +487,55 @@ def test_each_turns_reward_lands_on_its_last_token_for_turn_level_advantages(tmp
     assert advantages[1, ends[1][0]].item() == pytest.approx(0.5 - 1.45)
 
 
+def test_a_rows_agent_name_picks_one_turn_or_the_tool_loop(tmp_path, tokenizer):
+    """verl's agent_name column: single_turn_agent ends after the first turn even when it calls a tool; tool_agent
+    (and a row without one, by default) runs the loop; rollout.agent.default_agent_loop sets the default."""
+    prompts = prompts_of(tmp_path, tokenizer, 3)
+    prompts.non_tensors["agent_name"][:] = ["single_turn_agent", "tool_agent", ""]
+    script = [[turn(tokenizer, hermes("1+1")), turn(tokenizer, "2")]] * 3
+    out, engine = run(tokenizer, prompts, script, load_tools(CALC_TOOLS))
+    infos = list(out.non_tensors["multi_turn"])
+    assert [info["finish_reason"] for info in infos] == ["stop", "stop", "stop"]
+    assert [len(info["tool_calls"]) for info in infos] == [0, 1, 1]
+    assert list(out.non_tensors["num_turns"]) == [2, 4, 4]
+
+    engine = ScriptedEngine(dict(zip(prompt_keys(prompts), script)), [tokenizer.eos_token_id])
+    config = OmegaConf.merge(
+        rollout_config(tool_config_path=CALC_TOOLS), {"agent": {"default_agent_loop": "single_turn_agent"}}
+    )
+    out = MultiTurnRollout(engine, tokenizer, config, load_tools(CALC_TOOLS)).generate_sequences(prompts)
+    assert [len(info["tool_calls"]) for info in out.non_tensors["multi_turn"]] == [0, 1, 0]
+
+
+def tools_kwargs(value):
+    return {"extra_info": {"tools_kwargs": value}}
+
+
 @pytest.mark.parametrize(
-    "tools_kwargs, problem",
+    "columns, problem",
     [
-        ([1], "extra_info.tools_kwargs must map tool names to their kwargs, not list"),
-        ({"submit": {"create": {}}}, "extra_info.tools_kwargs.submit must be a mapping with some of create_kwargs"),
-        ({"submit": {"create_kwargs": 3}}, "extra_info.tools_kwargs.submit.create_kwargs must be a mapping, not 3"),
+        (tools_kwargs([1]), "extra_info.tools_kwargs must map tool names to their kwargs, not list"),
+        (
+            tools_kwargs({"submit": {"create": {}}}),
+            "extra_info.tools_kwargs.submit must be a mapping with some of create_kwargs",
+        ),
+        (
+            tools_kwargs({"submit": {"create_kwargs": 3}}),
+            "extra_info.tools_kwargs.submit.create_kwargs must be a mapping, not 3",
+        ),
+        (
+            {"extra_info": {"interaction_kwargs": {"q": 1}}},
+            "extra_info.interaction_kwargs must be a mapping with a string 'name'",
+        ),
+        ({"agent_name": "react"}, "agent_name 'react' is not one of single_turn_agent, tool_agent"),
     ],
 )
-def test_a_malformed_tools_kwargs_is_refused_with_its_row(tmp_path, tools_kwargs, problem):
+def test_malformed_agent_columns_are_refused_with_their_row(columns, problem):
     row = {
         "data_source": "x",
         "prompt": [{"role": "user", "content": "1+1"}],
         "reward_model": {"ground_truth": "2"},
-        "extra_info": {"tools_kwargs": tools_kwargs},
+        **columns,
     }
     with pytest.raises(DatasetError, match=f"rows.jsonl: row 3: {re.escape(problem)}"):
         validate_row(row, "rows.jsonl: row 3")
@@ -605,6 +640,11 @@ def test_the_config_refuses_what_multi_turn_cannot_run(tmp_path):
         ({"multi_turn": {"max_user_turns": 0}}, "max_user_turns=0: at least 1"),
         ({"multi_turn": {"tool_config_path": str(tmp_path / "none.yaml")}}, "none.yaml: cannot read it"),
         ({"multi_turn": {"format": "tag", "tool_config_path": None}}, "needs exactly one tool"),
+        ({"agent": {"default_agent_loop": "react_agent"}}, "default_agent_loop='react_agent': choose one of"),
+        (
+            {"agent": {"default_agent_loop": "tool_agent"}, "multi_turn": {"enable": False}},
+            "default_agent_loop=tool_agent needs actor_rollout_ref.rollout.multi_turn.enable=true",
+        ),
         (
             {"multi_turn": {"interaction_config_path": CALC_TOOLS}},
             "interaction_config_path: .*calculator.yaml: expected `interaction:` with a list",
