@@ -4,7 +4,8 @@
   by ``up`` on 127.0.0.1 only (no Unix socket), password authentication (SCRAM) for the role ``ppoflow``; the
   databases ``prefect`` and ``mlflow`` hold the Prefect server's and the MLflow server's records.
 * **An S3-compatible store** (moto's server, from PyPI): the bucket ``ppoflow`` holds the MLflow server's artifacts
-  (``s3://ppoflow/mlartifacts``) and the checkpoints a run writes there (``trainer.default_local_dir=s3://ppoflow/...``).
+  (``s3://ppoflow/mlartifacts``) and the checkpoints a run writes there
+  (``trainer.default_local_dir=s3://ppoflow/...``).
   moto keeps its objects in memory: they last while the stack runs (``down`` ends them; the databases stay). Against
   a real S3 bucket, nothing of ppoflow changes but the endpoint and the credentials.
 
