@@ -202,11 +202,26 @@ class MultiTurnConfig:
 
 
 @dataclass
+class EndpointAgentConfig:
+    """The ``endpoint_agent`` loop (:mod:`rl_core.agent.endpoint`): a user's agent talks to the policy through an
+    OpenAI-compatible chat-completions endpoint served on loopback for the rollout; set ``function`` or ``command``."""
+
+    # "module:callable", called in the rollout worker as callable(base_url=..., api_key=..., row=...) in a thread
+    function: str | None = None
+    # or a program (argv list): OPENAI_BASE_URL, OPENAI_API_KEY and PPOFLOW_ROW (the row, JSON) in its environment
+    command: list[str] | None = None
+    # an agent's own time (wall clock outside its requests); past it the trajectory ends (agent_timeout)
+    timeout_s: float = 60.0
+
+
+@dataclass
 class AgentConfig:
     """verl's ``rollout.agent``: which agent loop a row without an ``agent_name`` column runs."""
 
-    # single_turn_agent | tool_agent (rl_core.agent.runner); null: tool_agent with multi_turn.enable, else single turn
+    # single_turn_agent | tool_agent (rl_core.agent.runner) | endpoint_agent (rl_core.agent.endpoint); null: tool_agent
+    # with multi_turn.enable, else single turn
     default_agent_loop: str | None = None
+    endpoint: EndpointAgentConfig = field(default_factory=EndpointAgentConfig)
 
 
 @dataclass
@@ -534,6 +549,7 @@ POSITIVE = (
     "actor_rollout_ref.rollout.multi_turn.max_parallel_calls",
     "actor_rollout_ref.rollout.multi_turn.max_tool_response_length",
     "actor_rollout_ref.rollout.multi_turn.tool_timeout_s",
+    "actor_rollout_ref.rollout.agent.endpoint.timeout_s",
     "actor_rollout_ref.rollout.multi_turn.max_concurrent_tools",
     "actor_rollout_ref.rollout.multi_turn.max_tool_response_tokens",
     "data.max_prompt_length",

@@ -12,6 +12,7 @@ import inspect
 import os
 from typing import TYPE_CHECKING, Any
 
+from rl_core.agent.checks import agent_loop_problem
 from rl_core.agent.tools.registry import tool_schemas
 from rl_core.config import use_critic
 from rl_core.data.rows import DatasetError, peek_rows, validate_row
@@ -48,12 +49,9 @@ def data_problems(config: Any) -> list[str]:
                 count, first = peek_rows(path, ROWS_CHECKED)
                 for number, row in enumerate(first):
                     validate_row(row, f"{path}: row {number}", config.data.prompt_key)
-                    if row.get("agent_name") == "tool_agent" and not config.actor_rollout_ref.rollout.multi_turn.enable:
-                        raise DatasetError(
-                            f"{path}: row {number} has agent_name tool_agent: set "
-                            "actor_rollout_ref.rollout.multi_turn.enable=true (and its tool_config_path or "
-                            "interaction_config_path)"
-                        )
+                    problem = agent_loop_problem(row.get("agent_name"), config.actor_rollout_ref.rollout)
+                    if problem is not None:
+                        raise DatasetError(f"{path}: row {number} has agent_name {row['agent_name']}: {problem}")
             except DatasetError as error:
                 problems.append(f"{key}: {error}")
                 continue

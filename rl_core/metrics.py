@@ -64,7 +64,9 @@ def multi_turn_metrics(num_turns: list[int], trajectories: list[dict]) -> dict[s
     ``tool/errors/<kind>`` (calls per sample answered with that error), ``tool/latency_s/{mean,max}``,
     ``tool/response_truncated_ratio``, ``multi_turn/finish/<reason>`` (share of samples) and ``timing_s/tools``: the
     seconds generation waited for tool answers that had not arrived when its chunks were done (the time the tools
-    were not overlapped), summed over the batch's trajectories (so over ranks too)."""
+    were not overlapped), summed over the batch's trajectories (so over ranks too). With endpoint agents
+    (rl_core/agent/endpoint.py) ``endpoint/calls_per_sample`` and ``endpoint/untrained_calls_per_sample``; their tool
+    messages count as calls, and ``timing_s/tools`` is the agents' own time between their requests."""
     metrics = _stats("num_turns", torch.tensor(num_turns, dtype=torch.float32))
     calls = [call for trajectory in trajectories for call in trajectory["tool_calls"]]
     samples = len(trajectories)
@@ -75,6 +77,10 @@ def multi_turn_metrics(num_turns: list[int], trajectories: list[dict]) -> dict[s
         metrics[f"tool/errors/{kind}"] = sum(call["error"] == kind for call in calls) / samples
     for reason in FINISH_REASONS:
         metrics[f"multi_turn/finish/{reason}"] = sum(t["finish_reason"] == reason for t in trajectories) / samples
+    if any("endpoint_calls" in t for t in trajectories):
+        metrics["endpoint/calls_per_sample"] = sum(t.get("endpoint_calls", 0) for t in trajectories) / samples
+        untrained = sum(t.get("untrained_calls", 0) for t in trajectories)
+        metrics["endpoint/untrained_calls_per_sample"] = untrained / samples
     if calls:
         metrics["tool/success_rate"] = sum(call["error"] is None for call in calls) / len(calls)
         metrics["tool/response_truncated_ratio"] = sum(call["truncated"] for call in calls) / len(calls)

@@ -8,14 +8,32 @@ from typing import Any
 from rl_core.agent.interactions import InteractionConfigError, configured_interactions
 from rl_core.agent.parsers import tag_argument
 from rl_core.agent.tools.registry import ToolConfigError, configured_tools
+from rl_core.agent.user_agent import ENDPOINT_AGENT, AgentConfigError, load_agent
 from rl_core.config import ConfigValueError
 from rl_core.data.rows import AGENT_LOOPS
 
 
+def agent_loop_problem(name: str, rollout: Any) -> str | None:
+    """Why the agent loop ``name`` cannot run with these rollout settings (what to set), or None."""
+    if name == "tool_agent" and not rollout.multi_turn.enable:
+        return (
+            "tool_agent needs actor_rollout_ref.rollout.multi_turn.enable=true (and its tool_config_path or "
+            "interaction_config_path)"
+        )
+    endpoint = rollout.agent.endpoint
+    if name == ENDPOINT_AGENT and endpoint.function is None and endpoint.command is None:
+        return (
+            "endpoint_agent needs an agent: set actor_rollout_ref.rollout.agent.endpoint.function (module:callable) "
+            "or .command"
+        )
+    return None
+
+
 def check_multi_turn(rollout: Any) -> None:
-    """Refuse a multi-turn setting that cannot run: an unknown default agent loop, or tool_agent without multi-turn
-    rollouts; vLLM with tensor parallelism, a turn limit below 1, a tool or interaction YAML that does not load,
-    ``format=tag`` without exactly one tool of one required argument."""
+    """Refuse a multi-turn setting that cannot run: an unknown default agent loop, or one its settings cannot run
+    (:func:`agent_loop_problem`), an endpoint agent that does not load; vLLM with tensor parallelism, a turn limit
+    below 1, a tool or interaction YAML that does not load, ``format=tag`` without exactly one tool of one required
+    argument."""
     settings = rollout.multi_turn
     key = "actor_rollout_ref.rollout.multi_turn"
     default = rollout.agent.default_agent_loop
@@ -23,11 +41,15 @@ def check_multi_turn(rollout: Any) -> None:
         raise ConfigValueError(
             f"actor_rollout_ref.rollout.agent.default_agent_loop={default!r}: choose one of {', '.join(AGENT_LOOPS)}"
         )
-    if default == "tool_agent" and not settings.enable:
-        raise ConfigValueError(
-            "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent needs "
-            f"{key}.enable=true (and its tool_config_path or interaction_config_path)"
-        )
+    problem = agent_loop_problem(default, rollout) if default is not None else None
+    if problem is not None:
+        raise ConfigValueError(f"actor_rollout_ref.rollout.agent.default_agent_loop={default}: {problem}")
+    endpoint = rollout.agent.endpoint
+    if endpoint.function is not None or endpoint.command is not None:
+        try:
+            load_agent(endpoint)
+        except AgentConfigError as error:
+            raise ConfigValueError(f"actor_rollout_ref.{error}") from None
     if not settings.enable:
         return
     if rollout.name == "vllm" and int(rollout.tensor_model_parallel_size) > 1:

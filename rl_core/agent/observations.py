@@ -45,7 +45,7 @@ class ObservationEncoder:
             raise ValueError("the tokenizer's chat template ends an assistant message with no stop token")
         self.base_ids = rendered[: ends[-1] + 1]
 
-    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -65,8 +65,12 @@ class ObservationEncoder:
     def encode(self, answers: list[str], role: str = "tool") -> list[int]:
         """The ids that follow an assistant turn's stop token when the tools answered ``answers`` (``role="user"``:
         when a simulated user did)."""
-        messages = BASE + [{"role": role, "content": answer} for answer in answers]
-        rendered = self._render(messages, add_generation_prompt=True)
+        return self.encode_messages([{"role": role, "content": answer} for answer in answers])
+
+    def encode_messages(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The ids that follow an assistant turn's stop token when ``messages`` (any roles) come next, up to the next
+        assistant header."""
+        rendered = self._render(BASE + list(messages), add_generation_prompt=True)
         if rendered[: len(self.base_ids)] != self.base_ids:
             raise ValueError(
                 "the tokenizer's chat template renders the conversation differently once tool messages follow, so "

@@ -34,13 +34,26 @@ from typing import Any
 
 import torch
 
+from rl_core.agent.endpoint import ROUND_STRIDE, EndpointAgents
 from rl_core.agent.executor import CallResult, ToolExecutor, ToolSession, refused
 from rl_core.agent.interactions import configured_interactions
 from rl_core.agent.observations import ObservationEncoder
 from rl_core.agent.parsers import ToolCall, parse_calls
 from rl_core.agent.tools.base import BaseTool
+from rl_core.agent.user_agent import ENDPOINT_AGENT
 from rl_core.batch import Batch
-from rl_core.batch_fields import AGENT_NAME, EXTRA_INFO, INPUT_IDS, MULTI_TURN, NUM_TURNS, RAW_PROMPT, TEMPERATURE
+from rl_core.batch_fields import (
+    AGENT_NAME,
+    DATA_SOURCE,
+    EXTRA_INFO,
+    INPUT_IDS,
+    MULTI_TURN,
+    NUM_TURNS,
+    RAW_PROMPT,
+    REWARD_MODEL,
+    TEMPERATURE,
+)
+from rl_core.data.dataset import left_padded
 from rl_core.data.rows import interaction_kwargs_of, tools_kwargs_of
 from rl_core.rollout.base import (
     TokenEngine,
@@ -53,8 +66,8 @@ from rl_core.rollout.base import (
     stop_token_ids,
 )
 
-ROUND_STRIDE = 10_000  # seed parts of round r: r * ROUND_STRIDE + chunk (round 0: the single-turn seeds)
-FINISH_REASONS = ("stop", "interaction", "length", "max_turns", "parse_error")
+SINGLE_TURN = "single_turn_agent"
+FINISH_REASONS = ("stop", "interaction", "length", "max_turns", "parse_error", "agent_error", "agent_timeout")
 
 
 @dataclass
@@ -82,6 +95,8 @@ class Trajectory:
     tool_problems: list[str] = field(default_factory=list)  # a calc_reward, release or interaction that failed
     turn_scores: list[float] = field(default_factory=list)  # the interaction's score of each reply
     turn_rewards: list[float] = field(default_factory=list)  # per policy turn: its calls' step rewards + reply score
+    by_endpoint: bool = False  # its row's agent loop is endpoint_agent (rl_core/agent/endpoint.py)
+    endpoint: dict[str, Any] = field(default_factory=dict)  # what its endpoint agent returned and how its calls went
 
     def append(self, ids: list[int], from_policy: bool, log_probs: list[float] | None = None) -> None:
         self.ids += ids
@@ -102,6 +117,7 @@ class Trajectory:
             "turn_scores": self.turn_scores,
             "turn_rewards": self.turn_rewards,
             **({"tool_problems": self.tool_problems} if self.tool_problems else {}),
+            **self.endpoint,
         }
 
 
@@ -123,6 +139,8 @@ class MultiTurnRollout:
         self.executor = (
             ToolExecutor(tools, self.settings.tool_timeout_s, self.settings.max_concurrent_tools) if answered else None
         )
+        endpoint = rollout_config.agent.endpoint
+        by_endpoint = endpoint.function is not None or endpoint.command is not None
         self.observations = (
             ObservationEncoder(
                 tokenizer,
@@ -131,7 +149,12 @@ class MultiTurnRollout:
                 self.settings.max_tool_response_tokens,
                 self.settings.tool_response_truncate_side,
             )
-            if answered
+            if answered or by_endpoint
+            else None
+        )
+        self.endpoint_agents = (
+            EndpointAgents(engine, tokenizer, rollout_config, self.observations, self.settings.format)
+            if by_endpoint
             else None
         )
 
@@ -142,15 +165,26 @@ class MultiTurnRollout:
         width = prompts.tensors[INPUT_IDS].shape[1]
         extras = prompts.non_tensors.get(EXTRA_INFO, [None] * len(prompts))
         raw_prompts = prompts.non_tensors.get(RAW_PROMPT, [[]] * len(prompts))
-        default = self.config.agent.default_agent_loop or "tool_agent"
+        default = self.config.agent.default_agent_loop or ("tool_agent" if self.settings.enable else SINGLE_TURN)
         agents = [name or default for name in prompts.non_tensors.get(AGENT_NAME, [""] * len(prompts))]
+        if ENDPOINT_AGENT in agents and self.endpoint_agents is None:
+            raise ValueError(
+                "a row's agent loop is endpoint_agent, but actor_rollout_ref.rollout.agent.endpoint names no agent: "
+                "set its function (module:callable) or command"
+            )
         trajectories = [
-            Trajectory(ids, session=self._session(extra), context=_as_messages(raw), single_turn=agent != "tool_agent")
+            Trajectory(
+                ids,
+                session=self._session(extra),
+                context=_as_messages(raw),
+                single_turn=agent == SINGLE_TURN,
+                by_endpoint=agent == ENDPOINT_AGENT,
+            )
             for ids, extra, raw, agent in zip(prompt_contexts(prompts), extras, raw_prompts, agents)
         ]
         with self.engine.rollout(prompts.meta_info):
             round_index = 0
-            while active := [t for t in trajectories if t.finish is None]:
+            while active := [t for t in trajectories if t.finish is None and not t.by_endpoint]:
                 for chunk, start in enumerate(range(0, len(active), self.chunk_size)):
                     part = active[start : start + self.chunk_size]
                     seed = sampling_seed(self.config, prompts.meta_info, rank, round_index * ROUND_STRIDE + chunk)
@@ -164,10 +198,23 @@ class MultiTurnRollout:
                     if trajectory.finish is None:
                         self._append_answers(trajectory)
                 round_index += 1
+            by_endpoint = [row for row, trajectory in enumerate(trajectories) if trajectory.by_endpoint]
+            if by_endpoint:
+                self.endpoint_agents.run(
+                    [trajectories[row] for row in by_endpoint],
+                    [task_row(prompts, row) for row in by_endpoint],
+                    params,
+                    prompts.meta_info,
+                    first_round=round_index,
+                    width=width,
+                )
         self._finish_sessions(trajectories)
         samples = [
             TokenSample(t.ids, t.log_probs if self.config.calculate_log_probs else None, t.finish) for t in trajectories
         ]
+        if any(t.by_endpoint for t in trajectories):  # an agent's first request is its trajectory's prompt
+            tensors = left_padded([t.prompt for t in trajectories], width, self.pad_token_id)
+            prompts = Batch({**prompts.tensors, **tensors}, dict(prompts.non_tensors), dict(prompts.meta_info))
         out = assemble_samples(
             prompts, samples, self.response_length, self.pad_token_id, [t.mask for t in trajectories]
         )
@@ -303,6 +350,13 @@ class MultiTurnRollout:
                 trajectory.tool_problems += problems
             except concurrent.futures.TimeoutError:  # the tools' loop itself is stuck
                 trajectory.tool_problems.append("the tools did not answer calc_reward/release")
+
+
+def task_row(prompts: Batch, row: int) -> dict[str, Any]:
+    """A prompt row as an endpoint agent gets it: the dataset's columns (``prompt`` = the raw messages)."""
+    columns = {"prompt": RAW_PROMPT, "data_source": DATA_SOURCE, "reward_model": REWARD_MODEL, "extra_info": EXTRA_INFO}
+    columns["ability"] = "ability"
+    return {name: prompts.non_tensors[key][row] for name, key in columns.items() if key in prompts.non_tensors}
 
 
 def _as_messages(raw_prompt: Any) -> list[dict[str, Any]]:

@@ -105,14 +105,7 @@ class RLDataset:
     def collate(self, indices: list[int], uid_prefix: str = "") -> Batch:
         """Left-pad the prompts of ``indices`` to ``max_prompt_length``; uid = ``uid_prefix`` + row number."""
         pad_id = self.tokenizer.pad_token_id
-        length = self.max_prompt_length
-        input_ids = torch.full((len(indices), length), pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(indices), length), dtype=torch.long)
-        for i, index in enumerate(indices):
-            ids = self.prompt_ids[index]
-            input_ids[i, length - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-            attention_mask[i, length - len(ids) :] = 1
-        position_ids = torch.clamp(torch.cumsum(attention_mask, dim=-1) - 1, min=0)
+        tensors = left_padded([self.prompt_ids[i] for i in indices], self.max_prompt_length, pad_id)
         rows = [self.rows[i] for i in indices]
         non_tensors = {
             DATA_SOURCE: [r["data_source"] for r in rows],
@@ -123,4 +116,16 @@ class RLDataset:
             UID: [f"{uid_prefix}{i}" for i in indices],
             AGENT_NAME: [r.get("agent_name") or "" for r in rows],
         }
-        return Batch({INPUT_IDS: input_ids, ATTENTION_MASK: attention_mask, POSITION_IDS: position_ids}, non_tensors)
+        return Batch(tensors, non_tensors)
+
+
+def left_padded(prompts: list[list[int]], width: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """Prompt token lists as a prompt batch's tensors: ``input_ids`` left-padded to ``width`` with ``pad_id``, their
+    ``attention_mask`` and ``position_ids`` (0 at the first real token)."""
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, ids in enumerate(prompts):
+        input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[row, width - len(ids) :] = 1
+    position_ids = torch.clamp(torch.cumsum(attention_mask, dim=-1) - 1, min=0)
+    return {INPUT_IDS: input_ids, ATTENTION_MASK: attention_mask, POSITION_IDS: position_ids}

@@ -108,8 +108,9 @@ def validate_row(row: dict, where: str, prompt_key: str = "prompt") -> None:
         raise DatasetError(f"{where}: {error}") from None
 
 
-# verl's agent loops a row may name (its agent_name column): one turn, or the loop with tools and interactions
-AGENT_LOOPS = ("single_turn_agent", "tool_agent")
+# verl's agent loops a row may name (its agent_name column): one turn, the loop with tools and interactions, or a user's
+# agent through the OpenAI-compatible endpoint (rl_core/agent/endpoint.py)
+AGENT_LOOPS = ("single_turn_agent", "tool_agent", "endpoint_agent")
 
 # verl's per-tool lifecycle keys of a multi-turn row's extra_info.tools_kwargs.<tool> (rl_core/agent/executor.py)
 LIFECYCLE_KWARGS = ("create_kwargs", "execute_kwargs", "calc_reward_kwargs", "release_kwargs")

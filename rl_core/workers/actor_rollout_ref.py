@@ -234,9 +234,9 @@ class ActorRolloutRefWorker:
                     model_config=self.model_config,
                     compute_dtype=self.compute_dtype,
                 )
-                multi_turn = self.rollout_config.multi_turn
-                if multi_turn.enable:
-                    tools = configured_tools(multi_turn)
+                multi_turn, endpoint = self.rollout_config.multi_turn, self.rollout_config.agent.endpoint
+                if multi_turn.enable or endpoint.function is not None or endpoint.command is not None:
+                    tools = configured_tools(multi_turn) if multi_turn.enable else {}
                     self.rollout = MultiTurnRollout(self.rollout, self.tokenizer, self.rollout_config, tools)
         return notes
 

@@ -65,6 +65,19 @@ def test_data_problems(checked, data_files, tmp_path):
         f"data.val_files: {tmp_path / 'rows.jsonl'}: row 1: column 'prompt' must be a list of {{'role', 'content'}} "
         "messages or a string, got None"
     ]
+    agent_rows = [
+        dict(row, agent_name=name) for row, name in zip(addition_rows(2, seed=0), ("tool_agent", "endpoint_agent"))
+    ]
+    checked.data.val_files = str(write_rows(agent_rows, tmp_path / "agents.jsonl"))
+    assert problems(checked) == [
+        f"data.val_files: {tmp_path / 'agents.jsonl'}: row 0 has agent_name tool_agent: tool_agent needs "
+        "actor_rollout_ref.rollout.multi_turn.enable=true (and its tool_config_path or interaction_config_path)"
+    ]
+    checked.data.val_files = str(write_rows(agent_rows[1:], tmp_path / "agents.jsonl"))
+    assert problems(checked) == [
+        f"data.val_files: {tmp_path / 'agents.jsonl'}: row 0 has agent_name endpoint_agent: endpoint_agent needs an "
+        "agent: set actor_rollout_ref.rollout.agent.endpoint.function (module:callable) or .command"
+    ]
     checked.data.val_files = str(data_files[1])
     checked.data.train_batch_size = 13
     assert problems(checked) == [

@@ -366,7 +366,8 @@ def test_multi_turn_rollouts_with_a_tool_train_and_resume_in_the_flow(run_overri
     """The calc task with multi-turn rollouts (format tag, the calculator's YAML) on a model that calls the tool: the
     flow trains and validates, logs verl's num_turns and the tool metrics, the samples table marks the tool's answers
     as not the policy's, and a run resumed after step 1 is the run trained straight (the same trajectories, tool
-    answers included). A learning run: bench/calc_demo.py."""
+    answers included). The same run with the demo's calc agent talking to the OpenAI-compatible endpoint instead of
+    the built-in loop trains alike: the same metrics. A learning run: bench/calc_demo.py."""
     train_file = write_rows(calc_rows(32, seed=0), tmp_path / "train.parquet")
     val_file = write_rows(calc_rows(8, seed=0, split="val"), tmp_path / "val.parquet")
 
@@ -381,6 +382,8 @@ def test_multi_turn_rollouts_with_a_tool_train_and_resume_in_the_flow(run_overri
             "actor_rollout_ref.rollout.multi_turn.enable=true",
             "actor_rollout_ref.rollout.multi_turn.format=tag",
             f"actor_rollout_ref.rollout.multi_turn.tool_config_path={ROOT / 'configs' / 'tools' / 'calculator.yaml'}",
+            "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2",  # as the calc agent does
+            "actor_rollout_ref.rollout.multi_turn.max_parallel_calls=4",
             f"trainer.total_training_steps={steps}",
             "trainer.test_freq=2",
             folder=folder,
@@ -388,6 +391,7 @@ def test_multi_turn_rollouts_with_a_tool_train_and_resume_in_the_flow(run_overri
 
     straight = train(overrides=overrides(2, tmp_path / "straight"))
     history = metric_history(straight["tracking_uri"], straight["run_id"])
+    timed = ("timing_s/", "perf/", "tool/latency_s/")
     for name in ("num_turns/mean", "tool/call_rate", "multi_turn/finish/stop", "response_length/model_tokens/mean"):
         assert sorted(history[name]) == [1, 2], name
     assert history["tool/call_rate"][1][0] > 0.5 and history["tool/success_rate"][1][0] > 0.5
@@ -401,12 +405,25 @@ def test_multi_turn_rollouts_with_a_tool_train_and_resume_in_the_flow(run_overri
     # the calculator's answers are inside the response, not the policy's (the table runs to the last policy token)
     assert answered and all(0 in row["token_from_policy"] for row in answered)
 
+    endpoint = [
+        "actor_rollout_ref.rollout.agent.default_agent_loop=endpoint_agent",
+        "actor_rollout_ref.rollout.agent.endpoint.function=rl_core.agent.demo_agents:calc_agent",
+    ]
+    through_endpoint = train(overrides=[*overrides(2, tmp_path / "endpoint"), *endpoint])
+    served = metric_history(through_endpoint["tracking_uri"], through_endpoint["run_id"])
+    assert served["endpoint/calls_per_sample"][2][0] >= 1 and served["endpoint/untrained_calls_per_sample"][2][0] == 0
+    # what the loop and the agent record differently: timings, the finish of a trajectory that hits max turns (the
+    # agent just stops), the success of calls (the agent's tool messages are all "calls")
+    recorded_alike = [key for key in history if not key.startswith((*timed, "multi_turn/finish", "tool/"))]
+    assert "actor/pg_loss" in recorded_alike and any(key.startswith("val-core/") for key in recorded_alike)
+    for key in [*recorded_alike, "tool/call_rate", "tool/calls_per_sample"]:
+        assert served[key] == history[key], key
+
     split = tmp_path / "split"
     first = train(overrides=overrides(1, split))
     second = train(overrides=[*overrides(2, split), "trainer.resume_mode=auto"])
     assert second["run_id"] == first["run_id"]
     resumed = metric_history(second["tracking_uri"], second["run_id"])
-    timed = ("timing_s/", "perf/", "tool/latency_s/")
     compared = [key for key in history if not key.startswith(timed)]
     assert "tool/calls_per_sample" in compared and "actor/pg_loss" in compared
     for key in compared:  # the first part's last step also validated (step 1): that is not in the straight run

@@ -1,5 +1,7 @@
 """Small builders shared by the rl_core tests."""
 
+import torch
+
 from rl_core.data.dataset import RLDataset
 from rl_core.data.rows import write_rows
 from rl_core.data.synthetic import addition_rows
@@ -8,6 +10,17 @@ from rl_core.data.synthetic import addition_rows
 def addition_dataset(tmp_path, tokenizer, data_config, count=16, split="train"):
     path = write_rows(addition_rows(count, seed=0, split=split), tmp_path / f"{split}.parquet")
     return RLDataset(str(path), tokenizer, data_config)
+
+
+def response_logits(model, batch):
+    """The plain forward pass's logits that predict each response token of a sequence batch (B, R, V)."""
+    with torch.no_grad():
+        logits = model(
+            input_ids=batch.tensors["input_ids"],
+            attention_mask=batch.tensors["attention_mask"],
+            position_ids=batch.tensors["position_ids"],
+        ).logits
+    return logits[:, -batch.tensors["responses"].shape[1] - 1 : -1]
 
 
 def assert_same_adam_step(weights_a, weights_b, lr, atol=1e-5):

@@ -73,11 +73,6 @@ class SleepTool(BaseTool):
         return ToolResponse(f"slept {parameters.get('x')}"), 0.0, {}
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_path):
-    return AutoTokenizer.from_pretrained(tiny_model_path)
-
-
 def rollout_config(**multi_turn):
     config = OmegaConf.structured(RolloutConfig(prompt_length=16, response_length=256, generation_batch_size=2))
     return OmegaConf.merge(config, {"multi_turn": {"enable": True, **multi_turn}})
@@ -339,7 +334,7 @@ def test_the_config_refuses_what_multi_turn_cannot_run(tmp_path):
         ({"agent": {"default_agent_loop": "react_agent"}}, "default_agent_loop='react_agent': choose one of"),
         (
             {"agent": {"default_agent_loop": "tool_agent"}, "multi_turn": {"enable": False}},
-            "default_agent_loop=tool_agent needs actor_rollout_ref.rollout.multi_turn.enable=true",
+            "default_agent_loop=tool_agent: tool_agent needs actor_rollout_ref.rollout.multi_turn.enable=true",
         ),
         (
             {"multi_turn": {"interaction_config_path": CALC_TOOLS}},

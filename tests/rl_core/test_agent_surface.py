@@ -8,7 +8,6 @@ import re
 
 import pytest
 from omegaconf import OmegaConf
-from transformers import AutoTokenizer
 
 from rl_core.agent.interactions import BaseInteraction
 from rl_core.agent.observations import ObservationEncoder
@@ -32,11 +31,6 @@ from tests.rl_core.test_agent_loop import (
     turn,
     write,
 )
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_path):
-    return AutoTokenizer.from_pretrained(tiny_model_path)
 
 
 class AnswerTool(BaseTool):

@@ -13,7 +13,7 @@ from rl_core.models.tiny import make_tiny_model
 from rl_core.models.value_head import load_critic_model
 from rl_core.rollout import build_rollout_engine, hf_engine
 from rl_core.rollout.base import TokenSample, cut_at_stop, sampling_seed
-from tests.rl_core.helpers import addition_dataset
+from tests.rl_core.helpers import addition_dataset, response_logits
 
 
 @pytest.fixture()
@@ -124,12 +124,7 @@ def test_sampling_draws_from_the_whole_distribution(policy, prompts, config):
         prompts.repeat_interleave(8)
     )
     mask = out.tensors["response_mask"].bool()
-    with torch.no_grad():
-        logits = model(
-            input_ids=out.tensors["input_ids"],
-            attention_mask=out.tensors["attention_mask"],
-            position_ids=out.tensors["position_ids"],
-        ).logits[:, -mask.shape[1] - 1 : -1]
+    logits = response_logits(model, out)
     sampled = logits.gather(-1, out.tensors["responses"].unsqueeze(-1))
     ranks = (logits > sampled).sum(-1)[mask]
     assert (ranks >= 50).float().mean() > 0.5, ranks.tolist()
