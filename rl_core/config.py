@@ -218,10 +218,12 @@ class EndpointAgentConfig:
 class AgentConfig:
     """verl's ``rollout.agent``: which agent loop a row without an ``agent_name`` column runs."""
 
-    # single_turn_agent | tool_agent (rl_core.agent.runner) | endpoint_agent (rl_core.agent.endpoint); null: tool_agent
-    # with multi_turn.enable, else single turn
+    # single_turn_agent | tool_agent (rl_core.agent.runner) | endpoint_agent (rl_core.agent.endpoint) | a loop of
+    # agent_loop_config_path; null: tool_agent with multi_turn.enable, else single turn
     default_agent_loop: str | None = None
     endpoint: EndpointAgentConfig = field(default_factory=EndpointAgentConfig)
+    # verl's agent-loop YAML, [{name, _target_: module.Class}]: loops of one's own (rl_core.agent.loops) rows may name
+    agent_loop_config_path: str | None = None
 
 
 @dataclass

@@ -49,7 +49,8 @@ def data_problems(config: Any) -> list[str]:
                 count, first = peek_rows(path, ROWS_CHECKED)
                 for number, row in enumerate(first):
                     validate_row(row, f"{path}: row {number}", config.data.prompt_key)
-                    problem = agent_loop_problem(row.get("agent_name"), config.actor_rollout_ref.rollout)
+                    named = row.get("agent_name")
+                    problem = agent_loop_problem(named, config.actor_rollout_ref.rollout) if named else None
                     if problem is not None:
                         raise DatasetError(f"{path}: row {number} has agent_name {row['agent_name']}: {problem}")
             except DatasetError as error:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from rl_core.agent.interactions import InteractionConfigError, configured_interactions
+from rl_core.agent.loops import AgentLoopConfigError, configured_loops
 from rl_core.agent.parsers import tag_argument
 from rl_core.agent.tools.registry import ToolConfigError, configured_tools
 from rl_core.agent.user_agent import ENDPOINT_AGENT, AgentConfigError, load_agent
@@ -15,6 +16,15 @@ from rl_core.data.rows import AGENT_LOOPS
 
 def agent_loop_problem(name: str, rollout: Any) -> str | None:
     """Why the agent loop ``name`` cannot run with these rollout settings (what to set), or None."""
+    if name not in AGENT_LOOPS:
+        try:
+            loops = configured_loops(rollout.agent.agent_loop_config_path)
+        except AgentLoopConfigError as error:
+            return f"actor_rollout_ref.rollout.agent.agent_loop_config_path: {error}"
+        if name not in loops:
+            known = ", ".join([*AGENT_LOOPS, *sorted(loops)])
+            return f"no agent loop of that name ({known}; loops of one's own: agent_loop_config_path)"
+        return None
     if name == "tool_agent" and not rollout.multi_turn.enable:
         return (
             "tool_agent needs actor_rollout_ref.rollout.multi_turn.enable=true (and its tool_config_path or "
@@ -37,10 +47,10 @@ def check_multi_turn(rollout: Any) -> None:
     settings = rollout.multi_turn
     key = "actor_rollout_ref.rollout.multi_turn"
     default = rollout.agent.default_agent_loop
-    if default is not None and default not in AGENT_LOOPS:
-        raise ConfigValueError(
-            f"actor_rollout_ref.rollout.agent.default_agent_loop={default!r}: choose one of {', '.join(AGENT_LOOPS)}"
-        )
+    try:
+        configured_loops(rollout.agent.agent_loop_config_path)
+    except AgentLoopConfigError as error:
+        raise ConfigValueError(f"actor_rollout_ref.rollout.agent.agent_loop_config_path: {error}") from None
     problem = agent_loop_problem(default, rollout) if default is not None else None
     if problem is not None:
         raise ConfigValueError(f"actor_rollout_ref.rollout.agent.default_agent_loop={default}: {problem}")

@@ -1,4 +1,5 @@
-"""The ``endpoint_agent`` loop: any agent trains through an OpenAI-compatible chat-completions endpoint.
+"""The ``endpoint_agent`` loop: any agent trains through an OpenAI-compatible chat-completions endpoint. (Agent loops
+of one's own, rl_core/agent/loops.py, are run here too: their token requests join the same rounds.)
 
 For one rollout, each trajectory's agent (``rollout.agent.endpoint``: a Python callable, or a command) gets a
 ``base_url`` of its own and the run's API key, and talks to the policy with any OpenAI client
@@ -31,6 +32,7 @@ if it parses), reaches the reward function as ``extra_info["agent_output"]``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import secrets
@@ -38,10 +40,12 @@ import signal
 import subprocess
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from rl_core.agent.chat_api import ApiError, ChatRequest, ChatServer, completion_body, openai_tool_calls
+from rl_core.agent.loops import AgentLoopBase, AgentLoopOutput, TokenOutput, configured_loops
 from rl_core.agent.observations import ObservationEncoder
 from rl_core.agent.parsers import HERMES_CALL, parse_hermes
 from rl_core.agent.user_agent import load_agent
@@ -53,12 +57,20 @@ MODEL_ID = "ppoflow-policy"
 
 
 @dataclass
-class _Call:
-    """A request waiting for its reply (an answer body or an :class:`ApiError`)."""
+class TokenRequest:
+    """An agent loop's ``generate``: token ids in, at most ``max_tokens`` sampled (None: the response's length)."""
 
-    request: ChatRequest
-    done: threading.Event = field(default_factory=threading.Event)
-    reply: dict[str, Any] | ApiError | None = None
+    prompt_ids: list[int]
+    max_tokens: int | None
+
+
+@dataclass
+class _Call:
+    """A request waiting for its reply (an answer body, a TokenOutput or an :class:`ApiError`); ``on_reply`` hands it
+    over."""
+
+    request: ChatRequest | TokenRequest
+    on_reply: Callable[[Any], None]
 
 
 @dataclass
@@ -67,6 +79,8 @@ class _Session:
 
     trajectory: Any  # rl_core.agent.runner.Trajectory
     row: dict[str, Any]
+    loop: type[AgentLoopBase] | None = None  # its agent loop (rl_core/agent/loops.py), else the endpoint's agent
+    task: Any = None  # the loop's running coroutine (a concurrent Future)
     history: list[dict[str, str]] | None = None  # the last recorded request's messages + its reply
     last: tuple[list[dict[str, str]], dict[str, Any]] | None = None  # the last request's messages and answer
     waiting: _Call | None = None
@@ -90,7 +104,11 @@ class EndpointAgents:
         self, engine: TokenEngine, tokenizer: Any, rollout_config: Any, observations: ObservationEncoder, format: str
     ):
         self.engine, self.tokenizer, self.config, self.observations = engine, tokenizer, rollout_config, observations
-        self.agent = load_agent(rollout_config.agent.endpoint)
+        endpoint = rollout_config.agent.endpoint
+        configured = endpoint.function is not None or endpoint.command is not None
+        self.agent = load_agent(endpoint) if configured else None
+        self.loops = configured_loops(rollout_config.agent.agent_loop_config_path)
+        self.loop_thread: tuple[asyncio.AbstractEventLoop, threading.Thread] | None = None
         self.timeout_s = float(rollout_config.agent.endpoint.timeout_s)
         self.response_length = int(rollout_config.response_length)
         self.prompt_length = int(rollout_config.prompt_length)  # the batch's prompt width, set by run()
@@ -103,6 +121,7 @@ class EndpointAgents:
         self,
         trajectories: list[Any],
         rows: list[dict[str, Any]],
+        agent_names: list[str],
         params: SamplingParams,
         meta_info: dict[str, Any],
         first_round: int,
@@ -112,13 +131,20 @@ class EndpointAgents:
         rounds are numbered from ``first_round`` (after the tool loop's, in a batch that has both); a prompt has at
         most ``width`` tokens (the batch's)."""
         self.prompt_length = width
-        sessions = [_Session(trajectory, row) for trajectory, row in zip(trajectories, rows)]
+        sessions = [
+            _Session(trajectory, row, loop=self.loops.get(name))
+            for trajectory, row, name in zip(trajectories, rows, agent_names)
+        ]
         api_key = secrets.token_urlsafe(24)
         server = ChatServer(api_key, MODEL_ID, lambda index, request: self._receive(sessions, index, request))
+        self.sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k}
         rank, round_index = data_parallel_rank(), first_round
         try:
             for index, session in enumerate(sessions):
-                self._start(session, server.base_url(index), api_key)
+                if session.loop is not None:
+                    self._start_loop(sessions, index)
+                else:
+                    self._start(session, server.base_url(index), api_key)
             while (waiting := self._next_round(sessions)) is not None:
                 self._serve(waiting, params, meta_info, rank, round_index)
                 round_index += 1
@@ -144,6 +170,34 @@ class EndpointAgents:
         threading.Thread(
             target=target, args=(session, base_url, api_key), name="ppoflow-endpoint-agent", daemon=True
         ).start()
+
+    def _start_loop(self, sessions: list[_Session], index: int) -> None:
+        session = sessions[index]
+        session.deadline = time.monotonic() + self.timeout_s
+        if self.loop_thread is None:  # one event loop for every agent loop of the worker
+            loop = asyncio.new_event_loop()
+            thread = threading.Thread(target=loop.run_forever, name="ppoflow-agent-loops", daemon=True)
+            thread.start()
+            self.loop_thread = (loop, thread)
+        session.task = asyncio.run_coroutine_threadsafe(self._run_loop(sessions, index), self.loop_thread[0])
+
+    async def _run_loop(self, sessions: list[_Session], index: int) -> None:
+        session, output, error = sessions[index], None, None
+        try:
+            agent = session.loop(
+                tokenizer=self.tokenizer, server_manager=_TokenServer(self, sessions, index), config=self.config
+            )
+            output = await agent.run(dict(self.sampling), raw_prompt=session.row.get("prompt"), **session.row)
+            problem = (
+                output.problem() if isinstance(output, AgentLoopOutput) else "it did not return an AgentLoopOutput"
+            )
+            if problem is not None:
+                output, error = None, f"{session.loop.__name__}.run: {problem}"
+        except asyncio.CancelledError:  # timed out
+            return
+        except Exception as raised:
+            error = f"{type(raised).__name__}: {raised}"
+        self._finished(session, output, error)
 
     def _run_function(self, session: _Session, base_url: str, api_key: str) -> None:
         output, error = None, None
@@ -179,12 +233,13 @@ class EndpointAgents:
         session.error = f"timed out after {self.timeout_s:g} s (rollout.agent.endpoint.timeout_s)"
         self._refuse_waiting(session, session.error)
         self._stop_process(session)
+        if session.task is not None:
+            session.task.cancel()
 
     @staticmethod
     def _refuse_waiting(session: _Session, why: str) -> None:
         if session.waiting is not None:
-            session.waiting.reply = ApiError(409, why, code="trajectory_ended")
-            session.waiting.done.set()
+            session.waiting.on_reply(ApiError(409, why, code="trajectory_ended"))
             session.waiting = None
 
     @staticmethod
@@ -198,6 +253,15 @@ class EndpointAgents:
     # ------------------------------------------------------------------ requests
     def _receive(self, sessions: list[_Session], index: int, request: ChatRequest) -> dict[str, Any]:
         """A request of trajectory ``index`` (an HTTP thread): queued for the next round, answered when generated."""
+        replied, answer = threading.Event(), []
+        self._enqueue(sessions, index, _Call(request, lambda reply: (answer.append(reply), replied.set())))
+        replied.wait()
+        if isinstance(answer[0], ApiError):
+            raise answer[0]
+        return answer[0]
+
+    def _enqueue(self, sessions: list[_Session], index: int, call: _Call) -> None:
+        """Queue ``call`` of trajectory ``index`` for the next round (or refuse it: an ApiError raised)."""
         with self.condition:
             if not 0 <= index < len(sessions):
                 raise ApiError(404, f"this rollout has no trajectory {index}", code="unknown_trajectory")
@@ -208,14 +272,9 @@ class EndpointAgents:
                 raise ApiError(409, "one request at a time per trajectory", code="concurrent_request")
             if session.replied_at is not None:
                 session.trajectory.tool_wait_s += time.monotonic() - session.replied_at
-            session.waiting = _Call(request)
+            session.waiting = call
             session.asked_at = time.monotonic()
-            call = session.waiting
             self.condition.notify_all()
-        call.done.wait()
-        if isinstance(call.reply, ApiError):
-            raise call.reply
-        return call.reply
 
     def _next_round(self, sessions: list[_Session]) -> list[tuple[_Session, _Call]] | None:
         """Wait until every running agent waits on a request (expiring agents past their deadline); those requests in
@@ -245,6 +304,9 @@ class EndpointAgents:
         jobs = []
         for session, call in waiting:
             try:
+                if isinstance(call.request, TokenRequest):
+                    jobs.append((session, call, *self._token_context(call.request)))
+                    continue
                 if session.last is not None and session.last[0] == call.request.messages:
                     self._answer(session, call, session.last[1])
                     continue
@@ -258,18 +320,29 @@ class EndpointAgents:
                 [job[2] for job in part], [job[3] for job in part], params, seed, self.prompt_length
             )
             for (session, call, context, _, recorded), sample in zip(part, samples):
-                self._answer(session, call, self._reply(session, call.request, context, sample, recorded))
+                if isinstance(call.request, TokenRequest):
+                    session.calls += 1
+                    self._answer(session, call, TokenOutput(sample.token_ids, sample.log_probs, sample.finish_reason))
+                else:
+                    self._answer(session, call, self._reply(session, call.request, context, sample, recorded))
 
-    def _answer(self, session: _Session, call: _Call, reply: dict[str, Any] | ApiError) -> None:
-        """Hand ``reply`` to the waiting HTTP thread (a successful one is kept for a retry of the same request)."""
+    def _answer(self, session: _Session, call: _Call, reply: dict[str, Any] | TokenOutput | ApiError) -> None:
+        """Hand ``reply`` to the waiting agent (a successful answer is kept for a retry of the same request)."""
         with self.condition:
             if isinstance(reply, dict):
                 session.last = (call.request.messages, reply)
             session.waiting = None
             session.replied_at = time.monotonic()
             session.deadline += session.replied_at - session.asked_at  # its time waiting on the endpoint is not its own
-        call.reply = reply
-        call.done.set()
+        call.on_reply(reply)
+
+    def _token_context(self, request: TokenRequest) -> tuple[list[int], int, bool]:
+        """An agent loop's request as (context, budget, recorded=False): the loop assembles its trajectory itself."""
+        limit = self.prompt_length + self.response_length
+        if not request.prompt_ids or len(request.prompt_ids) > limit:
+            raise ApiError(400, f"prompt_ids must hold 1 to {limit} tokens, not {len(request.prompt_ids)}")
+        budget = min(request.max_tokens or self.response_length, self.response_length)
+        return list(request.prompt_ids), budget, False
 
     def _context(self, session: _Session, request: ChatRequest) -> tuple[list[int], int, bool]:
         """The ids a request's reply is sampled from, its token budget, and whether it is recorded in the trajectory
@@ -319,6 +392,30 @@ class EndpointAgents:
             trajectory.user_turns += 1
         return trajectory.prompt + trajectory.ids, min(room, request.max_tokens or room), True
 
+    def _take_loop_output(self, session: _Session) -> None:
+        """An agent loop's :class:`AgentLoopOutput` as its trajectory (the response cut at ``response_length``); the
+        output's ``extra_fields`` become the agent's output."""
+        output, trajectory = session.output, session.trajectory
+        if not isinstance(output, AgentLoopOutput):
+            return
+        session.output = output.extra_fields
+        if len(output.prompt_ids) > self.prompt_length:
+            session.error = (
+                f"{session.loop.__name__}.run: its prompt has {len(output.prompt_ids)} tokens, at most "
+                f"{self.prompt_length} (data.max_prompt_length)"
+            )
+            return
+        kept = min(len(output.response_ids), self.response_length)
+        log_probs = output.response_logprobs or [0.0] * kept
+        trajectory.prompt = list(output.prompt_ids)
+        trajectory.ids, trajectory.mask = list(output.response_ids[:kept]), list(output.response_mask[:kept])
+        trajectory.log_probs = [float(value) if used else 0.0 for value, used in zip(log_probs, trajectory.mask)]
+        trajectory.assistant_turns = max(int(output.num_turns) - 1, 1)
+        answer = self.tokenizer.decode(_last_turn(trajectory.ids, trajectory.mask), skip_special_tokens=True)
+        trajectory.messages = [{"role": "assistant", "content": answer}]
+        if len(output.response_ids) >= self.response_length:
+            trajectory.finish = "length"
+
     def _overflow(self) -> ApiError:
         return ApiError(
             400,
@@ -367,6 +464,8 @@ class EndpointAgents:
     # ------------------------------------------------------------------ the end
     def _conclude(self, session: _Session) -> None:
         trajectory = session.trajectory
+        if session.loop is not None:
+            self._take_loop_output(session)
         if session.error is None and session.calls == 0:
             session.error = "the agent made no request"
         if not trajectory.mask or not any(trajectory.mask):  # nothing recorded: one untrained EOS token
@@ -381,6 +480,43 @@ class EndpointAgents:
             "endpoint_calls": session.calls,
             "untrained_calls": session.untrained_calls,
         }
+
+
+class _TokenServer:
+    """An agent loop's ``server_manager``: ``generate`` queues a token request for the next round."""
+
+    def __init__(self, agents: EndpointAgents, sessions: list[_Session], index: int):
+        self.agents, self.sessions, self.index = agents, sessions, index
+
+    async def generate(
+        self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any] | None = None, **_: Any
+    ) -> TokenOutput:
+        """The policy's continuation of ``prompt_ids`` (the rollout's sampling; ``sampling_params["max_tokens"]``
+        bounds its length)."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def on_reply(reply: Any) -> None:
+            loop.call_soon_threadsafe(lambda: future.done() or future.set_result(reply))
+
+        limit = (sampling_params or {}).get("max_tokens")
+        try:
+            self.agents._enqueue(self.sessions, self.index, _Call(TokenRequest(list(prompt_ids), limit), on_reply))
+        except ApiError as error:
+            raise RuntimeError(error.message) from None
+        reply = await future
+        if isinstance(reply, ApiError):
+            raise RuntimeError(reply.message)
+        return reply
+
+
+def _last_turn(ids: list[int], mask: list[int]) -> list[int]:
+    """The ids of the last run of policy tokens."""
+    end = max((index + 1 for index, value in enumerate(mask) if value), default=0)
+    start = end
+    while start > 0 and mask[start - 1]:
+        start -= 1
+    return ids[start:end]
 
 
 def _tool_call(message: dict[str, str], gap_s: float) -> dict[str, Any]:

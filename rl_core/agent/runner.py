@@ -34,13 +34,14 @@ from typing import Any
 
 import torch
 
+from rl_core.agent.checks import agent_loop_problem
 from rl_core.agent.endpoint import ROUND_STRIDE, EndpointAgents
 from rl_core.agent.executor import CallResult, ToolExecutor, ToolSession, refused
 from rl_core.agent.interactions import configured_interactions
+from rl_core.agent.loops import REGISTERED
 from rl_core.agent.observations import ObservationEncoder
 from rl_core.agent.parsers import ToolCall, parse_calls
 from rl_core.agent.tools.base import BaseTool
-from rl_core.agent.user_agent import ENDPOINT_AGENT
 from rl_core.batch import Batch
 from rl_core.batch_fields import (
     AGENT_NAME,
@@ -95,7 +96,7 @@ class Trajectory:
     tool_problems: list[str] = field(default_factory=list)  # a calc_reward, release or interaction that failed
     turn_scores: list[float] = field(default_factory=list)  # the interaction's score of each reply
     turn_rewards: list[float] = field(default_factory=list)  # per policy turn: its calls' step rewards + reply score
-    by_endpoint: bool = False  # its row's agent loop is endpoint_agent (rl_core/agent/endpoint.py)
+    by_endpoint: bool = False  # endpoint_agent or a loop of one's own (rl_core/agent/endpoint.py, loops.py) runs it
     endpoint: dict[str, Any] = field(default_factory=dict)  # what its endpoint agent returned and how its calls went
 
     def append(self, ids: list[int], from_policy: bool, log_probs: list[float] | None = None) -> None:
@@ -141,6 +142,7 @@ class MultiTurnRollout:
         )
         endpoint = rollout_config.agent.endpoint
         by_endpoint = endpoint.function is not None or endpoint.command is not None
+        by_endpoint |= bool(rollout_config.agent.agent_loop_config_path or REGISTERED)  # loops of one's own
         self.observations = (
             ObservationEncoder(
                 tokenizer,
@@ -167,18 +169,17 @@ class MultiTurnRollout:
         raw_prompts = prompts.non_tensors.get(RAW_PROMPT, [[]] * len(prompts))
         default = self.config.agent.default_agent_loop or ("tool_agent" if self.settings.enable else SINGLE_TURN)
         agents = [name or default for name in prompts.non_tensors.get(AGENT_NAME, [""] * len(prompts))]
-        if ENDPOINT_AGENT in agents and self.endpoint_agents is None:
-            raise ValueError(
-                "a row's agent loop is endpoint_agent, but actor_rollout_ref.rollout.agent.endpoint names no agent: "
-                "set its function (module:callable) or command"
-            )
+        for name in set(agents) - {SINGLE_TURN, "tool_agent"}:
+            problem = agent_loop_problem(name, self.config)
+            if problem is not None:
+                raise ValueError(f"a row's agent_name is {name}: {problem}")
         trajectories = [
             Trajectory(
                 ids,
                 session=self._session(extra),
                 context=_as_messages(raw),
                 single_turn=agent == SINGLE_TURN,
-                by_endpoint=agent == ENDPOINT_AGENT,
+                by_endpoint=agent not in (SINGLE_TURN, "tool_agent"),
             )
             for ids, extra, raw, agent in zip(prompt_contexts(prompts), extras, raw_prompts, agents)
         ]
@@ -203,6 +204,7 @@ class MultiTurnRollout:
                 self.endpoint_agents.run(
                     [trajectories[row] for row in by_endpoint],
                     [task_row(prompts, row) for row in by_endpoint],
+                    [agents[row] for row in by_endpoint],
                     params,
                     prompts.meta_info,
                     first_round=round_index,

@@ -1,5 +1,5 @@
 """What verl's tool and interaction YAMLs share: a list of entries under one key, each naming a class by its import
-path (``class_name``) that must subclass the interface of its kind."""
+path (``class_name``) that must subclass the interface of its kind (the agent-loop YAML's ``_target_`` too)."""
 
 from __future__ import annotations
 

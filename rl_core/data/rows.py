@@ -99,8 +99,8 @@ def validate_row(row: dict, where: str, prompt_key: str = "prompt") -> None:
     if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
         raise DatasetError(f"{where} has no 'reward_model.ground_truth' (needed by the rule and custom reward scorers)")
     agent = row.get("agent_name")
-    if agent is not None and agent not in AGENT_LOOPS:
-        raise DatasetError(f"{where}: agent_name {agent!r} is not one of {', '.join(AGENT_LOOPS)}")
+    if agent is not None and not isinstance(agent, str):  # the name itself is checked against the config's loops
+        raise DatasetError(f"{where}: agent_name must be a string (an agent loop's name), not {agent!r}")
     try:
         tools_kwargs_of(row.get("extra_info"))
         interaction_kwargs_of(row.get("extra_info"))
@@ -108,8 +108,9 @@ def validate_row(row: dict, where: str, prompt_key: str = "prompt") -> None:
         raise DatasetError(f"{where}: {error}") from None
 
 
-# verl's agent loops a row may name (its agent_name column): one turn, the loop with tools and interactions, or a user's
-# agent through the OpenAI-compatible endpoint (rl_core/agent/endpoint.py)
+# the built-in agent loops a row may name (verl's agent_name column): one turn, the loop with tools and interactions,
+# or a user's agent through the OpenAI-compatible endpoint (rl_core/agent/endpoint.py); loops of one's own:
+# rl_core/agent/loops.py
 AGENT_LOOPS = ("single_turn_agent", "tool_agent", "endpoint_agent")
 
 # verl's per-tool lifecycle keys of a multi-turn row's extra_info.tools_kwargs.<tool> (rl_core/agent/executor.py)

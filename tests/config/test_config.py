@@ -204,6 +204,7 @@ def test_the_tool_demo_takes_its_profile_over_the_demos_and_a_users_model_neithe
     assert multi_turn.tool_config_path == str(ROOT / "configs" / "tools" / "calculator.yaml")
     assert calc.trainer.experiment_name == "demo_calc" and calc.data.train_batch_size == 16
     assert calc.actor_rollout_ref.rollout.n == 2
-    assert calc.actor_rollout_ref.actor.optim.lr == compose_config([]).actor_rollout_ref.actor.optim.lr  # the demo's
+    assert calc.actor_rollout_ref.actor.optim.lr == 3e-4  # its own, below the addition demo's
+    assert calc.actor_rollout_ref.actor.clip_ratio_high == compose_config([]).actor_rollout_ref.actor.clip_ratio_high
     own = compose_config(["data.synthetic.task=calc", "actor_rollout_ref.model.path=mine"])
     assert not own.actor_rollout_ref.rollout.multi_turn.enable and own.trainer.experiment_name != "demo_calc"

@@ -331,7 +331,10 @@ def test_the_config_refuses_what_multi_turn_cannot_run(tmp_path):
         ({"multi_turn": {"max_user_turns": 0}}, "max_user_turns=0: at least 1"),
         ({"multi_turn": {"tool_config_path": str(tmp_path / "none.yaml")}}, "none.yaml: cannot read it"),
         ({"multi_turn": {"format": "tag", "tool_config_path": None}}, "needs exactly one tool"),
-        ({"agent": {"default_agent_loop": "react_agent"}}, "default_agent_loop='react_agent': choose one of"),
+        (
+            {"agent": {"default_agent_loop": "react_agent"}},
+            r"default_agent_loop=react_agent: no agent loop of that name \(single_turn_agent, tool_agent",
+        ),
         (
             {"agent": {"default_agent_loop": "tool_agent"}, "multi_turn": {"enable": False}},
             "default_agent_loop=tool_agent: tool_agent needs actor_rollout_ref.rollout.multi_turn.enable=true",

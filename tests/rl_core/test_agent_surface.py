@@ -316,7 +316,7 @@ def tools_kwargs(value):
             {"extra_info": {"interaction_kwargs": {"q": 1}}},
             "extra_info.interaction_kwargs must be a mapping with a string 'name'",
         ),
-        ({"agent_name": "react"}, "agent_name 'react' is not one of single_turn_agent, tool_agent"),
+        ({"agent_name": 3}, "agent_name must be a string (an agent loop's name), not 3"),
     ],
 )
 def test_malformed_agent_columns_are_refused_with_their_row(columns, problem):

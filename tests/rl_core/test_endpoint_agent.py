@@ -15,6 +15,7 @@ import torch
 from omegaconf import OmegaConf
 
 from rl_core.agent.checks import check_multi_turn
+from rl_core.agent.loops import AgentLoopBase, AgentLoopOutput
 from rl_core.agent.runner import MultiTurnRollout
 from rl_core.agent.tools.registry import load_tools
 from rl_core.config import ConfigValueError, DataConfig, RolloutConfig
@@ -28,6 +29,7 @@ from tests.rl_core.test_agent_loop import (
     prompts_of,
     run,
     turn,
+    write,
 )
 
 AGENTS = "tests.rl_core.test_endpoint_agent"
@@ -258,3 +260,57 @@ def test_a_served_request_carries_openais_shape(tmp_path, tokenizer):
     assert tool_call.function.name == "calculator" and json.loads(tool_call.function.arguments) == {"expression": "2*3"}
     assert reply.usage.completion_tokens == len(turn(tokenizer, call))
     assert reply.usage.prompt_tokens == int(out.tensors["attention_mask"][0, :16].sum())
+
+
+# ---------------------------------------------------------------------------------------------- loops of one's own
+class TwoTurnLoop(AgentLoopBase):
+    """Asks twice, with a fixed user message between the turns (its tokens not the policy's); or, for a row whose
+    index is 2, returns a mask of the wrong length."""
+
+    async def run(self, sampling_params, **row):
+        text = self.tokenizer.apply_chat_template(row["raw_prompt"], add_generation_prompt=True, tokenize=False)
+        prompt = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        first = await self.server_manager.generate("a", prompt_ids=prompt, sampling_params=sampling_params)
+        nudge = self.tokenizer("\nagain?\n", add_special_tokens=False)["input_ids"]
+        second = await self.server_manager.generate("b", prompt_ids=prompt + first.token_ids + nudge)
+        ids = first.token_ids + nudge + second.token_ids
+        mask = [1] * len(first.token_ids) + [0] * len(nudge) + [1] * len(second.token_ids)
+        if row["extra_info"]["index"] == 2:
+            mask = mask[:-1]
+        log_probs = first.log_probs + [0.0] * len(nudge) + second.log_probs
+        return AgentLoopOutput(prompt, ids, mask, log_probs, num_turns=3, extra_fields={"sampling": sampling_params})
+
+
+def test_an_agent_loop_of_ones_own_runs_from_verls_yaml(tmp_path, tokenizer):
+    """A loop class listed in verl's agent-loop YAML runs the rows that name it, beside built-in loops in one batch:
+    its trajectory is the tokens it returned (the policy's masked in), its requests generated in rounds; a loop that
+    returns a malformed trajectory ends it as an agent error; an unknown name is refused, naming the known ones."""
+    loops = write(tmp_path / "loops.yaml", f"- name: two_turns\n  _target_: {AGENTS}.TwoTurnLoop\n")
+    prompts = prompts_of(tmp_path, tokenizer, 3)
+    prompts.non_tensors["agent_name"][:] = ["two_turns", "single_turn_agent", "two_turns"]
+    script = [[turn(tokenizer, "12"), turn(tokenizer, "34")], [turn(tokenizer, "5")], [turn(tokenizer, "6")] * 2]
+    config = OmegaConf.merge(endpoint_config(), {"agent": {"default_agent_loop": None}})
+    config.agent.agent_loop_config_path = str(loops)
+    out, engine = run_endpoint(tokenizer, prompts, script, config)
+    nudge = tokenizer("\nagain?\n", add_special_tokens=False)["input_ids"]
+    expected = turn(tokenizer, "12") + nudge + turn(tokenizer, "34")
+    length = len(expected)
+    assert out.tensors["responses"][0, :length].tolist() == expected
+    mask = [1] * len(turn(tokenizer, "12")) + [0] * len(nudge) + [1] * len(turn(tokenizer, "34"))
+    assert out.tensors["response_mask"][0].tolist() == mask + [0] * (256 - length)
+    assert torch.equal(out.tensors["rollout_log_probs"][0, :length], -0.5 * torch.tensor(mask, dtype=torch.float32))
+    infos = list(out.non_tensors["multi_turn"])
+    assert infos[0]["finish_reason"] == "stop" and infos[0]["final_answer"] == "34"
+    assert infos[0]["agent_output"] == {"sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": -1}}
+    assert list(out.non_tensors["num_turns"]) == [3, 2, 1]
+    assert infos[2]["finish_reason"] == "agent_error" and "response_mask entries" in infos[2]["agent_error"]
+    # round 0: the single-turn row (the tool loop), then the loops' first turns; round 1: their second turns
+    assert [len(contexts) for contexts, _, _ in engine.calls] == [1, 2, 2]
+
+    prompts.non_tensors["agent_name"][:] = ["react", "", ""]
+    with pytest.raises(ValueError, match="agent_name is react: no agent loop of that name .*two_turns"):
+        run_endpoint(tokenizer, prompts, script, config)
+    config.agent.agent_loop_config_path = str(write(tmp_path / "bad.yaml", "- name: x\n  _target_: no.such.Loop\n"))
+    cannot = "agent_loop_config_path: .*bad.yaml: entry 0: cannot import class_name 'no.such.Loop'"
+    with pytest.raises(ConfigValueError, match=cannot):
+        check_multi_turn(config)
