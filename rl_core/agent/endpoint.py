@@ -45,7 +45,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from rl_core.agent.chat_api import ApiError, ChatRequest, ChatServer, completion_body, openai_tool_calls
-from rl_core.agent.loops import AgentLoopBase, AgentLoopOutput, TokenOutput, configured_loops
+from rl_core.agent.loops import (
+    AgentLoopBase,
+    AgentLoopOutput,
+    TokenOutput,
+    TokenRequest,
+    TokenServer,
+    configured_loops,
+    fill_trajectory,
+)
 from rl_core.agent.observations import ObservationEncoder
 from rl_core.agent.parsers import HERMES_CALL, parse_hermes
 from rl_core.agent.user_agent import load_agent
@@ -54,14 +62,6 @@ from rl_core.rollout.base import SamplingParams, TokenEngine, data_parallel_rank
 # seed parts of round r: r * ROUND_STRIDE + chunk (the tool loop's rounds too; its round 0: the single-turn seeds)
 ROUND_STRIDE = 10_000
 MODEL_ID = "ppoflow-policy"
-
-
-@dataclass
-class TokenRequest:
-    """An agent loop's ``generate``: token ids in, at most ``max_tokens`` sampled (None: the response's length)."""
-
-    prompt_ids: list[int]
-    max_tokens: int | None
 
 
 @dataclass
@@ -184,9 +184,8 @@ class EndpointAgents:
     async def _run_loop(self, sessions: list[_Session], index: int) -> None:
         session, output, error = sessions[index], None, None
         try:
-            agent = session.loop(
-                tokenizer=self.tokenizer, server_manager=_TokenServer(self, sessions, index), config=self.config
-            )
+            server = TokenServer(lambda request, on_reply: self._enqueue(sessions, index, _Call(request, on_reply)))
+            agent = session.loop(tokenizer=self.tokenizer, server_manager=server, config=self.config)
             output = await agent.run(dict(self.sampling), raw_prompt=session.row.get("prompt"), **session.row)
             problem = (
                 output.problem() if isinstance(output, AgentLoopOutput) else "it did not return an AgentLoopOutput"
@@ -393,28 +392,15 @@ class EndpointAgents:
         return trajectory.prompt + trajectory.ids, min(room, request.max_tokens or room), True
 
     def _take_loop_output(self, session: _Session) -> None:
-        """An agent loop's :class:`AgentLoopOutput` as its trajectory (the response cut at ``response_length``); the
-        output's ``extra_fields`` become the agent's output."""
-        output, trajectory = session.output, session.trajectory
-        if not isinstance(output, AgentLoopOutput):
-            return
-        session.output = output.extra_fields
-        if len(output.prompt_ids) > self.prompt_length:
-            session.error = (
-                f"{session.loop.__name__}.run: its prompt has {len(output.prompt_ids)} tokens, at most "
-                f"{self.prompt_length} (data.max_prompt_length)"
+        """An agent loop's output as its trajectory; its ``extra_fields`` become the agent's output."""
+        output = session.output
+        if isinstance(output, AgentLoopOutput):
+            session.output = output.extra_fields
+            problem = fill_trajectory(
+                output, session.trajectory, self.prompt_length, self.response_length, self.tokenizer
             )
-            return
-        kept = min(len(output.response_ids), self.response_length)
-        log_probs = output.response_logprobs or [0.0] * kept
-        trajectory.prompt = list(output.prompt_ids)
-        trajectory.ids, trajectory.mask = list(output.response_ids[:kept]), list(output.response_mask[:kept])
-        trajectory.log_probs = [float(value) if used else 0.0 for value, used in zip(log_probs, trajectory.mask)]
-        trajectory.assistant_turns = max(int(output.num_turns) - 1, 1)
-        answer = self.tokenizer.decode(_last_turn(trajectory.ids, trajectory.mask), skip_special_tokens=True)
-        trajectory.messages = [{"role": "assistant", "content": answer}]
-        if len(output.response_ids) >= self.response_length:
-            trajectory.finish = "length"
+            if problem is not None:
+                session.error = f"{session.loop.__name__}.run: {problem}"
 
     def _overflow(self) -> ApiError:
         return ApiError(
@@ -480,43 +466,6 @@ class EndpointAgents:
             "endpoint_calls": session.calls,
             "untrained_calls": session.untrained_calls,
         }
-
-
-class _TokenServer:
-    """An agent loop's ``server_manager``: ``generate`` queues a token request for the next round."""
-
-    def __init__(self, agents: EndpointAgents, sessions: list[_Session], index: int):
-        self.agents, self.sessions, self.index = agents, sessions, index
-
-    async def generate(
-        self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any] | None = None, **_: Any
-    ) -> TokenOutput:
-        """The policy's continuation of ``prompt_ids`` (the rollout's sampling; ``sampling_params["max_tokens"]``
-        bounds its length)."""
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-
-        def on_reply(reply: Any) -> None:
-            loop.call_soon_threadsafe(lambda: future.done() or future.set_result(reply))
-
-        limit = (sampling_params or {}).get("max_tokens")
-        try:
-            self.agents._enqueue(self.sessions, self.index, _Call(TokenRequest(list(prompt_ids), limit), on_reply))
-        except ApiError as error:
-            raise RuntimeError(error.message) from None
-        reply = await future
-        if isinstance(reply, ApiError):
-            raise RuntimeError(reply.message)
-        return reply
-
-
-def _last_turn(ids: list[int], mask: list[int]) -> list[int]:
-    """The ids of the last run of policy tokens."""
-    end = max((index + 1 for index, value in enumerate(mask) if value), default=0)
-    start = end
-    while start > 0 and mask[start - 1]:
-        start -= 1
-    return ids[start:end]
 
 
 def _tool_call(message: dict[str, str], gap_s: float) -> dict[str, Any]:

@@ -23,6 +23,7 @@ trajectory as an endpoint agent's does.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,6 +71,72 @@ class AgentLoopOutput:
         if any(value not in (0, 1) for value in self.response_mask):
             return "response_mask holds values other than 0 and 1"
         return None
+
+
+@dataclass
+class TokenRequest:
+    """A loop's ``generate``: token ids in, at most ``max_tokens`` sampled (None: the response's length)."""
+
+    prompt_ids: list[int]
+    max_tokens: int | None
+
+
+class TokenServer:
+    """A loop's ``server_manager``: ``generate`` hands a :class:`TokenRequest` to ``enqueue(request, on_reply)`` (the
+    rollout's rounds, rl_core/agent/endpoint.py; it raises when the request is refused) and awaits the reply (a
+    TokenOutput, or an exception: raised as a RuntimeError)."""
+
+    def __init__(self, enqueue: Callable[[TokenRequest, Callable[[Any], None]], None]):
+        self.enqueue = enqueue
+
+    async def generate(
+        self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any] | None = None, **_: Any
+    ) -> TokenOutput:
+        """The policy's continuation of ``prompt_ids`` (the rollout's sampling; ``sampling_params["max_tokens"]``
+        bounds its length)."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def on_reply(reply: Any) -> None:
+            loop.call_soon_threadsafe(lambda: future.done() or future.set_result(reply))
+
+        try:
+            self.enqueue(TokenRequest(list(prompt_ids), (sampling_params or {}).get("max_tokens")), on_reply)
+        except Exception as error:
+            raise RuntimeError(str(error)) from None
+        reply = await future
+        if isinstance(reply, Exception):
+            raise RuntimeError(str(reply))
+        return reply
+
+
+def fill_trajectory(
+    output: AgentLoopOutput, trajectory: Any, prompt_length: int, response_length: int, tokenizer: Any
+) -> str | None:
+    """``trajectory`` (rl_core.agent.runner.Trajectory) made of a loop's output, the response cut at
+    ``response_length``; why it cannot be (a prompt over ``prompt_length`` tokens), or None."""
+    if len(output.prompt_ids) > prompt_length:
+        return f"its prompt has {len(output.prompt_ids)} tokens, at most {prompt_length} (data.max_prompt_length)"
+    kept = min(len(output.response_ids), response_length)
+    log_probs = output.response_logprobs or [0.0] * kept
+    trajectory.prompt = list(output.prompt_ids)
+    trajectory.ids, trajectory.mask = list(output.response_ids[:kept]), list(output.response_mask[:kept])
+    trajectory.log_probs = [float(value) if used else 0.0 for value, used in zip(log_probs, trajectory.mask)]
+    trajectory.assistant_turns = max(int(output.num_turns) - 1, 1)
+    answer = tokenizer.decode(_last_turn(trajectory.ids, trajectory.mask), skip_special_tokens=True)
+    trajectory.messages = [{"role": "assistant", "content": answer}]
+    if len(output.response_ids) >= response_length:
+        trajectory.finish = "length"
+    return None
+
+
+def _last_turn(ids: list[int], mask: list[int]) -> list[int]:
+    """The ids of the last run of policy tokens."""
+    end = max((index + 1 for index, value in enumerate(mask) if value), default=0)
+    start = end
+    while start > 0 and mask[start - 1]:
+        start -= 1
+    return ids[start:end]
 
 
 class AgentLoopBase:

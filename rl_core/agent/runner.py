@@ -167,12 +167,7 @@ class MultiTurnRollout:
         width = prompts.tensors[INPUT_IDS].shape[1]
         extras = prompts.non_tensors.get(EXTRA_INFO, [None] * len(prompts))
         raw_prompts = prompts.non_tensors.get(RAW_PROMPT, [[]] * len(prompts))
-        default = self.config.agent.default_agent_loop or ("tool_agent" if self.settings.enable else SINGLE_TURN)
-        agents = [name or default for name in prompts.non_tensors.get(AGENT_NAME, [""] * len(prompts))]
-        for name in set(agents) - {SINGLE_TURN, "tool_agent"}:
-            problem = agent_loop_problem(name, self.config)
-            if problem is not None:
-                raise ValueError(f"a row's agent_name is {name}: {problem}")
+        agents = self._agent_names(prompts)
         trajectories = [
             Trajectory(
                 ids,
@@ -220,14 +215,20 @@ class MultiTurnRollout:
         out = assemble_samples(
             prompts, samples, self.response_length, self.pad_token_id, [t.mask for t in trajectories]
         )
-        turns = Batch(
-            non_tensors={
-                NUM_TURNS: [1 + t.assistant_turns + t.user_turns for t in trajectories],
-                MULTI_TURN: [t.summary() for t in trajectories],
-            }
-        )
-        out.union(turns).meta_info[TEMPERATURE] = params.temperature
+        num_turns = [1 + t.assistant_turns + t.user_turns for t in trajectories]
+        out.union(Batch(non_tensors={NUM_TURNS: num_turns, MULTI_TURN: [t.summary() for t in trajectories]}))
+        out.meta_info[TEMPERATURE] = params.temperature
         return out
+
+    def _agent_names(self, prompts: Batch) -> list[str]:
+        """Each row's agent loop (its ``agent_name``, else the default), refused when the settings cannot run it."""
+        default = self.config.agent.default_agent_loop or ("tool_agent" if self.settings.enable else SINGLE_TURN)
+        agents = [name or default for name in prompts.non_tensors.get(AGENT_NAME, [""] * len(prompts))]
+        for name in set(agents) - {SINGLE_TURN, "tool_agent"}:
+            problem = agent_loop_problem(name, self.config)
+            if problem is not None:
+                raise ValueError(f"a row's agent_name is {name}: {problem}")
+        return agents
 
     # ------------------------------------------------------------------ one turn
     def _take_turn(self, trajectory: Trajectory, sample: TokenSample) -> None:
