@@ -8,8 +8,9 @@
             output = await self.server_manager.generate(request_id="x", prompt_ids=prompt, sampling_params={})
             return AgentLoopOutput(prompt, output.token_ids, [1] * len(output.token_ids), output.log_probs)
 
-Loops are found by ``@register`` (in a module the worker imports) or listed in verl's agent-loop YAML,
-``actor_rollout_ref.rollout.agent.agent_loop_config_path``: ``[{name: my_agent, _target_: package.module.MyAgent}]``.
+Loops are listed in verl's agent-loop YAML, ``actor_rollout_ref.rollout.agent.agent_loop_config_path``:
+``[{name: my_agent, _target_: package.module.MyAgent}]`` (or found by ``@register`` where the driver and the workers
+import the module).
 ``run`` gets the rollout's sampling settings as a dict and the row's columns (``raw_prompt``, ``extra_info``,
 ``reward_model``, ``data_source``, ``ability``) and returns the trajectory as tokens: its prompt (at most
 ``data.max_prompt_length`` tokens), its response (cut at ``data.max_response_length``), which response tokens the
