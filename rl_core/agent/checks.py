@@ -14,13 +14,15 @@ from rl_core.config import ConfigValueError
 from rl_core.data.rows import AGENT_LOOPS
 
 
-def agent_loop_problem(name: str, rollout: Any) -> str | None:
-    """Why the agent loop ``name`` cannot run with these rollout settings (what to set), or None."""
+def agent_loop_problem(name: str, rollout: Any, loops: dict[str, type] | None = None) -> str | None:
+    """Why the agent loop ``name`` cannot run with these rollout settings (what to set), or None; ``loops``: the
+    configured loops of one's own when already loaded (else read from ``agent_loop_config_path``)."""
     if name not in AGENT_LOOPS:
-        try:
-            loops = configured_loops(rollout.agent.agent_loop_config_path)
-        except AgentLoopConfigError as error:
-            return f"actor_rollout_ref.rollout.agent.agent_loop_config_path: {error}"
+        if loops is None:
+            try:
+                loops = configured_loops(rollout.agent.agent_loop_config_path)
+            except AgentLoopConfigError as error:
+                return f"actor_rollout_ref.rollout.agent.agent_loop_config_path: {error}"
         if name not in loops:
             known = ", ".join([*AGENT_LOOPS, *sorted(loops)])
             return f"no agent loop of that name ({known}; loops of one's own: agent_loop_config_path)"
@@ -48,10 +50,10 @@ def check_multi_turn(rollout: Any) -> None:
     key = "actor_rollout_ref.rollout.multi_turn"
     default = rollout.agent.default_agent_loop
     try:
-        configured_loops(rollout.agent.agent_loop_config_path)
+        loops = configured_loops(rollout.agent.agent_loop_config_path)
     except AgentLoopConfigError as error:
         raise ConfigValueError(f"actor_rollout_ref.rollout.agent.agent_loop_config_path: {error}") from None
-    problem = agent_loop_problem(default, rollout) if default is not None else None
+    problem = agent_loop_problem(default, rollout, loops) if default is not None else None
     if problem is not None:
         raise ConfigValueError(f"actor_rollout_ref.rollout.agent.default_agent_loop={default}: {problem}")
     endpoint = rollout.agent.endpoint

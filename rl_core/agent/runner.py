@@ -224,8 +224,9 @@ class MultiTurnRollout:
         """Each row's agent loop (its ``agent_name``, else the default), refused when the settings cannot run it."""
         default = self.config.agent.default_agent_loop or ("tool_agent" if self.settings.enable else SINGLE_TURN)
         agents = [name or default for name in prompts.non_tensors.get(AGENT_NAME, [""] * len(prompts))]
+        loops = self.endpoint_agents.loops if self.endpoint_agents is not None else dict(REGISTERED)  # loaded once
         for name in set(agents) - {SINGLE_TURN, "tool_agent"}:
-            problem = agent_loop_problem(name, self.config)
+            problem = agent_loop_problem(name, self.config, loops)
             if problem is not None:
                 raise ValueError(f"a row's agent_name is {name}: {problem}")
         return agents
