@@ -2,6 +2,7 @@
 number of samples, runs alternated in one sitting.
 
     python bench/async_rl.py [--workload demo|tool|both] [--steps 100] [--repeats 3] [--modes one_step_off ...]
+                             [--batching default rounds continuous]
 
 Each run is ``ppoflow train`` on the embedded demo (``demo``: addition, a 64-wide model) or the tool demo (``tool``:
 multiplication through the calculator, its answers delayed by ``--tool-latency`` seconds like a remote service), in a
@@ -16,6 +17,10 @@ r in every mode (the accuracy after a few steps is the seed's as much as the mod
   ``staleness_threshold=1`` (two steps' prompts per weight sync: one generation ahead, on the worker that is free);
 * ``fully_async_2``: the same with ``staleness_threshold=2`` (two generations ahead, one on each worker; samples up to
   two versions old).
+
+``--batching`` runs each mode once per value of ``actor_rollout_ref.rollout.agent.batching`` (the tool workload's
+trajectories in rounds, or continuously: each on its own); ``default`` leaves the mode's own (rounds when synchronous,
+continuous otherwise). A mode run with a batching other than ``default`` is labelled ``mode:batching``.
 
 On a GPU machine the same command runs each pool on its own GPU (``trainer.n_gpus_per_node=1`` stays; the rollout takes
 another). Prints a table per workload (medians over the repeats) and, last, one JSON line.
@@ -95,11 +100,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES), help="sync always runs")
     parser.add_argument("--tool-latency", type=float, default=0.1, help="seconds per calculator call (tool workload)")
+    parser.add_argument("--batching", nargs="+", choices=["default", "rounds", "continuous"], default=["default"])
     args = parser.parse_args()
     from flows.config import compose_config
 
     workloads = list(WORKLOADS) if args.workload == "both" else [args.workload]
-    modes = {mode: MODES[mode] for mode in MODES if mode == "sync" or mode in args.modes}
+    modes = {
+        mode if batching == "default" else f"{mode}:{batching}": MODES[mode]
+        + ([] if batching == "default" else [f"actor_rollout_ref.rollout.agent.batching={batching}"])
+        for mode in MODES
+        if mode == "sync" or mode in args.modes
+        for batching in args.batching
+    }
+    baseline = next(iter(modes))  # sync, with the first batching asked for
     summary: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="ppoflow-async-bench-") as tmp:
         for workload in workloads:
@@ -127,19 +140,19 @@ def main() -> None:
                 for mode, runs in results.items()
             }
             speedups = {
-                mode: round(rows[mode]["samples_per_s"] / rows["sync"]["samples_per_s"], 2)
+                mode: round(rows[mode]["samples_per_s"] / rows[baseline]["samples_per_s"], 2)
                 for mode in rows
-                if mode != "sync"
+                if mode != baseline
             }
             summary[workload] = {"samples_per_step": samples, **rows, "speedup": speedups}
             print(f"\n{workload}: {args.steps} steps of {samples} samples, {args.repeats} repeats (medians)")
-            print(f"{'mode':14} {'step (s)':>9} {'samples/s':>10} {'gen wait (s)':>13} {'val accuracy':>13}")
+            print(f"{'mode':25} {'step (s)':>9} {'samples/s':>10} {'gen wait (s)':>13} {'val accuracy':>13}")
             for mode, row in rows.items():
                 print(
-                    f"{mode:14} {row['step_s']:9.3f} {row['samples_per_s']:10.1f} {row['gen_wait_s']:13.3f} "
+                    f"{mode:25} {row['step_s']:9.3f} {row['samples_per_s']:10.1f} {row['gen_wait_s']:13.3f} "
                     f"{row['val_accuracy']:13.3f}"
                 )
-            print(", ".join(f"{mode} / sync: {x:.2f}x" for mode, x in speedups.items()) + " samples per second\n")
+            print(", ".join(f"{mode} / {baseline}: {x:.2f}x" for mode, x in speedups.items()) + " samples per second\n")
     print(json.dumps({"steps": args.steps, "repeats": args.repeats, "workloads": summary}))
 
 

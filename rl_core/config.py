@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rl_core.rollout_schedule import SCHEDULES, check_async_training
+from rl_core.rollout_schedule import AGENT_BATCHING, SCHEDULES, check_async_training
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -224,6 +224,11 @@ class AgentConfig:
     endpoint: EndpointAgentConfig = field(default_factory=EndpointAgentConfig)
     # verl's agent-loop YAML, [{name, _target_: module.Class}]: loops of one's own (rl_core.agent.loops) rows may name
     agent_loop_config_path: str | None = None
+    # rounds: every running trajectory's next turn generated together (the batch does not depend on timing: a re-run
+    # step draws the same samples) | continuous: each trajectory proceeds on its own, a batch generated from whichever
+    # wait for tokens (one waiting on a tool holds no one); by default rounds for async_training.mode=sync, else
+    # continuous (rl_core.rollout_schedule.agent_batching)
+    batching: str = "${agent_batching:${async_training.mode}}"
 
 
 @dataclass
@@ -546,6 +551,7 @@ CHOICES = {
     "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side": ("left", "middle", "right"),
     "actor_rollout_ref.rollout.multi_turn.on_parse_error": ("feedback", "stop"),
     "async_training.mode": SCHEDULES,
+    "actor_rollout_ref.rollout.agent.batching": AGENT_BATCHING,
 }
 POSITIVE = (
     "actor_rollout_ref.rollout.multi_turn.max_parallel_calls",

@@ -27,6 +27,13 @@ from dataclasses import dataclass
 from typing import Any
 
 SCHEDULES = ("sync", "one_step_off", "fully_async")
+AGENT_BATCHING = ("rounds", "continuous")  # how multi-turn trajectories share generation (rl_core/agent/endpoint.py)
+
+
+def agent_batching(mode: str) -> str:
+    """``rollout.agent.batching``'s default for ``async_training.mode``: the deterministic rounds for a synchronous
+    run, continuous batching (each trajectory on its own) when the rollout runs ahead of the trainer."""
+    return "rounds" if mode == "sync" else "continuous"
 
 
 @dataclass(frozen=True)

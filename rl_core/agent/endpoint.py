@@ -1,5 +1,5 @@
 """The ``endpoint_agent`` loop: any agent trains through an OpenAI-compatible chat-completions endpoint. (Agent loops
-of one's own, rl_core/agent/loops.py, are run here too: their token requests join the same rounds.)
+of one's own, rl_core/agent/loops.py, are run here too: their token requests join the same batches.)
 
 For one rollout, each trajectory's agent (``rollout.agent.endpoint``: a Python callable, or a command) gets a
 ``base_url`` of its own and the run's API key, and talks to the policy with any OpenAI client
@@ -19,9 +19,14 @@ after the prompt: a request that does not fit is refused (``context_length_excee
 answered, from its own render, but neither it nor the trajectory's later calls are trained (counted:
 ``endpoint/untrained_calls_per_sample``). The same request sent again (a client's retry) gets the same reply.
 
-Batching is in rounds, as the tool loop's: a round is generated when every agent still running waits on a request
-(in trajectory order, chunks of ``generation_batch_size``, seeds ``sampling_seed(..., round * ROUND_STRIDE + chunk)``),
-so the batch does not depend on the agents' timing and a re-run step draws the same samples. An agent that raises,
+Batching follows ``rollout.agent.batching``. ``rounds`` (a synchronous run's default): a round is generated when every
+agent still running waits on a request (in trajectory order, chunks of ``generation_batch_size``, seeds
+``sampling_seed(..., round * ROUND_STRIDE + chunk)``), so the batch does not depend on the agents' timing and a re-run
+step draws the same samples. ``continuous`` (the asynchronous schedules' default): a batch is generated as soon as a
+request waits and the engine is free (gathered for up to ``LINGER_S`` after the last arrival while fewer than a chunk
+wait and some running agent does not), so an agent busy with a tool holds no one's turn; the batches, and so the
+samples, then depend on timing. In that mode the tool loop's trajectories run here too, each as a coroutine of its own
+(``MultiTurnRollout``'s ``_tool_loop``): a turn, its calls' answers, the next turn. An agent that raises,
 exits non-zero or makes no request ends its trajectory with ``agent_error``; one whose own time (wall clock outside
 its requests to the endpoint) passes ``timeout_s`` with ``agent_timeout`` (a command is killed; a Python agent's
 thread is left to end on its own and its calls are refused): a hanging agent holds the others' next round up to
@@ -33,10 +38,7 @@ if it parses), reaches the reward function as ``extra_info["agent_output"]``.
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import secrets
-import signal
 import subprocess
 import threading
 import time
@@ -56,11 +58,12 @@ from rl_core.agent.loops import (
 )
 from rl_core.agent.observations import ObservationEncoder
 from rl_core.agent.parsers import HERMES_CALL, parse_hermes
-from rl_core.agent.user_agent import load_agent
+from rl_core.agent.user_agent import load_agent, start_agent, stop_agent
 from rl_core.rollout.base import SamplingParams, TokenEngine, data_parallel_rank, sampling_seed, stop_token_ids
 
 # seed parts of round r: r * ROUND_STRIDE + chunk (the tool loop's rounds too; its round 0: the single-turn seeds)
 ROUND_STRIDE = 10_000
+LINGER_S = 0.01  # continuous batching: how long a batch waits after the last request that joined it
 MODEL_ID = "ppoflow-policy"
 
 
@@ -80,6 +83,7 @@ class _Session:
     trajectory: Any  # rl_core.agent.runner.Trajectory
     row: dict[str, Any]
     loop: type[AgentLoopBase] | None = None  # its agent loop (rl_core/agent/loops.py), else the endpoint's agent
+    driver: Callable[[Any, TokenServer], Any] | None = None  # or async driver(trajectory, server): the tool loop
     task: Any = None  # the loop's running coroutine (a concurrent Future)
     history: list[dict[str, str]] | None = None  # the last recorded request's messages + its reply
     last: tuple[list[dict[str, str]], dict[str, Any]] | None = None  # the last request's messages and answer
@@ -115,7 +119,9 @@ class EndpointAgents:
         self.chunk_size = int(rollout_config.generation_batch_size)
         self.stop_ids = set(stop_token_ids(tokenizer, rollout_config))
         self.format = format
+        self.continuous = rollout_config.agent.batching == "continuous"
         self.condition = threading.Condition()
+        self.last_arrival = 0.0  # when the latest request was queued
 
     def run(
         self,
@@ -126,22 +132,32 @@ class EndpointAgents:
         meta_info: dict[str, Any],
         first_round: int,
         width: int,
+        driver: Callable[[Any, TokenServer], Any] | None = None,
     ) -> None:
         """Fill ``trajectories`` (their prompt, ids, mask, log-probs, messages, finish) from their agents' calls;
         rounds are numbered from ``first_round`` (after the tool loop's, in a batch that has both); a prompt has at
-        most ``width`` tokens (the batch's)."""
+        most ``width`` tokens (the batch's). With ``driver`` (continuous batching), the trajectories whose agent is
+        not an endpoint agent or a loop of one's own are run by it: ``await driver(trajectory, server)``."""
         self.prompt_length = width
         sessions = [
             _Session(trajectory, row, loop=self.loops.get(name))
             for trajectory, row, name in zip(trajectories, rows, agent_names)
         ]
+        for session in sessions:
+            if not session.trajectory.by_endpoint:
+                session.driver = driver
         api_key = secrets.token_urlsafe(24)
-        server = ChatServer(api_key, MODEL_ID, lambda index, request: self._receive(sessions, index, request))
+        by_endpoint = any(session.loop is None and session.driver is None for session in sessions)
+        server = (
+            ChatServer(api_key, MODEL_ID, lambda index, request: self._receive(sessions, index, request))
+            if by_endpoint
+            else None
+        )
         self.sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k}
         rank, round_index = data_parallel_rank(), first_round
         try:
             for index, session in enumerate(sessions):
-                if session.loop is not None:
+                if session.loop is not None or session.driver is not None:
                     self._start_loop(sessions, index)
                 else:
                     self._start(session, server.base_url(index), api_key)
@@ -149,31 +165,26 @@ class EndpointAgents:
                 self._serve(waiting, params, meta_info, rank, round_index)
                 round_index += 1
         finally:
-            server.close()
+            if server is not None:
+                server.close()
             for session in sessions:
-                self._stop_process(session)
+                stop_agent(session.process)
         for session in sessions:
-            self._conclude(session)
+            if session.driver is None:
+                self._conclude(session)
+            elif session.error is not None:
+                raise RuntimeError(f"the tool loop failed on a trajectory: {session.error}")
 
     # ------------------------------------------------------------------ agents
     def _start(self, session: _Session, base_url: str, api_key: str) -> None:
         session.deadline = time.monotonic() + self.timeout_s
-        if callable(self.agent):
-            target = self._run_function
-        else:
-            env = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key}
-            env["PPOFLOW_ROW"] = json.dumps(session.row, default=str)
-            session.process = subprocess.Popen(
-                self.agent, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-            )
-            target = self._wait_process
-        threading.Thread(
-            target=target, args=(session, base_url, api_key), name="ppoflow-endpoint-agent", daemon=True
-        ).start()
+        session.process = start_agent(
+            self.agent, session.row, base_url, api_key, lambda output, error: self._finished(session, output, error)
+        )
 
     def _start_loop(self, sessions: list[_Session], index: int) -> None:
         session = sessions[index]
-        session.deadline = time.monotonic() + self.timeout_s
+        session.deadline = time.monotonic() + self.timeout_s if session.driver is None else float("inf")
         if self.loop_thread is None:  # one event loop for every agent loop of the worker
             loop = asyncio.new_event_loop()
             thread = threading.Thread(target=loop.run_forever, name="ppoflow-agent-loops", daemon=True)
@@ -185,37 +196,20 @@ class EndpointAgents:
         session, output, error = sessions[index], None, None
         try:
             server = TokenServer(lambda request, on_reply: self._enqueue(sessions, index, _Call(request, on_reply)))
-            agent = session.loop(tokenizer=self.tokenizer, server_manager=server, config=self.config)
-            output = await agent.run(dict(self.sampling), raw_prompt=session.row.get("prompt"), **session.row)
-            problem = (
-                output.problem() if isinstance(output, AgentLoopOutput) else "it did not return an AgentLoopOutput"
-            )
-            if problem is not None:
-                output, error = None, f"{session.loop.__name__}.run: {problem}"
+            if session.driver is not None:
+                await session.driver(session.trajectory, server)
+            else:
+                agent = session.loop(tokenizer=self.tokenizer, server_manager=server, config=self.config)
+                output = await agent.run(dict(self.sampling), raw_prompt=session.row.get("prompt"), **session.row)
+                problem = (
+                    output.problem() if isinstance(output, AgentLoopOutput) else "it did not return an AgentLoopOutput"
+                )
+                if problem is not None:
+                    output, error = None, f"{session.loop.__name__}.run: {problem}"
         except asyncio.CancelledError:  # timed out
             return
         except Exception as raised:
             error = f"{type(raised).__name__}: {raised}"
-        self._finished(session, output, error)
-
-    def _run_function(self, session: _Session, base_url: str, api_key: str) -> None:
-        output, error = None, None
-        try:
-            output = self.agent(base_url=base_url, api_key=api_key, row=session.row)
-        except Exception as raised:
-            error = f"{type(raised).__name__}: {raised}"
-        self._finished(session, output, error)
-
-    def _wait_process(self, session: _Session, base_url: str, api_key: str) -> None:
-        stdout, stderr = session.process.communicate()
-        lines = [line for line in stdout.splitlines() if line.strip()]
-        output: Any = lines[-1] if lines else None
-        try:
-            output = json.loads(output) if output is not None else None
-        except json.JSONDecodeError:
-            pass
-        code = session.process.returncode
-        error = None if code == 0 else f"exited with {code}: {stderr.strip()[-500:]}"
         self._finished(session, output, error)
 
     def _finished(self, session: _Session, output: Any, error: str | None) -> None:
@@ -231,7 +225,7 @@ class EndpointAgents:
         session.done, session.timed_out = True, True
         session.error = f"timed out after {self.timeout_s:g} s (rollout.agent.endpoint.timeout_s)"
         self._refuse_waiting(session, session.error)
-        self._stop_process(session)
+        stop_agent(session.process)
         if session.task is not None:
             session.task.cancel()
 
@@ -240,14 +234,6 @@ class EndpointAgents:
         if session.waiting is not None:
             session.waiting.on_reply(ApiError(409, why, code="trajectory_ended"))
             session.waiting = None
-
-    @staticmethod
-    def _stop_process(session: _Session) -> None:
-        if session.process is not None and session.process.poll() is None:
-            try:
-                os.killpg(session.process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
     # ------------------------------------------------------------------ requests
     def _receive(self, sessions: list[_Session], index: int, request: ChatRequest) -> dict[str, Any]:
@@ -272,12 +258,13 @@ class EndpointAgents:
             if session.replied_at is not None:
                 session.trajectory.tool_wait_s += time.monotonic() - session.replied_at
             session.waiting = call
-            session.asked_at = time.monotonic()
+            session.asked_at = self.last_arrival = time.monotonic()
             self.condition.notify_all()
 
     def _next_round(self, sessions: list[_Session]) -> list[tuple[_Session, _Call]] | None:
-        """Wait until every running agent waits on a request (expiring agents past their deadline); those requests in
-        trajectory order, or None when every agent has ended."""
+        """The requests to generate next, in trajectory order, or None when every agent has ended (agents past their
+        deadline are expired meanwhile). Rounds: once every running agent waits on a request; continuous: once one
+        waits and the batch is a chunk, holds every running agent, or no request joined for ``LINGER_S``."""
         with self.condition:
             while True:
                 now = time.monotonic()
@@ -287,9 +274,16 @@ class EndpointAgents:
                 running = [session for session in sessions if not session.done]
                 if not running:
                     return None
-                if all(session.waiting is not None for session in running):
-                    return [(session, session.waiting) for session in running]
-                self.condition.wait(timeout=min(s.deadline for s in running if s.waiting is None) - now)
+                waiting = [(session, session.waiting) for session in running if session.waiting is not None]
+                timeout = min((s.deadline for s in running if s.waiting is None), default=now) - now
+                if len(waiting) == len(running):
+                    return waiting
+                if self.continuous and waiting:
+                    linger = self.last_arrival + LINGER_S - now
+                    if len(waiting) >= self.chunk_size or linger <= 0:
+                        return waiting
+                    timeout = min(timeout, linger)
+                self.condition.wait(timeout=timeout if timeout != float("inf") else None)
 
     def _serve(
         self,

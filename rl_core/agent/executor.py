@@ -1,7 +1,8 @@
 """Tool calls run concurrently with generation: one asyncio loop in a daemon thread per rollout worker.
 
 The rollout submits a chunk's calls as soon as the chunk is generated and collects the answers before the next round,
-so tools of chunk k run while chunk k+1 generates. Every call is bounded: ``max_concurrent_tools`` in flight at once
+so tools of chunk k run while chunk k+1 generates (with continuous batching, each trajectory's answers as soon as they
+are all in). Every call is bounded: ``max_concurrent_tools`` in flight at once
 and ``tool_timeout_s`` each (a timed-out call is cancelled: the python tool kills its process group). A call that
 cannot be read, names an unknown tool, fails or times out is answered ``error: ...`` and counted by kind
 (``tool/errors/<kind>``), never raised.

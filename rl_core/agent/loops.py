@@ -17,9 +17,9 @@ import the module).
 policy sampled (``response_mask`` 1: trained) and their log-probs. ``server_manager.generate`` is token in, token out
 (verl's ``AsyncLLMServerManager.generate``): the sampled ids up to and including a stop token, their log-probs (with
 ``rollout.calculate_log_probs``), at most ``sampling_params["max_tokens"]`` or ``data.max_response_length`` of them.
-The loops' requests are generated in rounds with the endpoint agents' (rl_core/agent/endpoint.py: the batch does not
-depend on their timing); a loop that raises or passes ``rollout.agent.endpoint.timeout_s`` of its own time ends its
-trajectory as an endpoint agent's does.
+The loops' requests are batched with the endpoint agents' (rl_core/agent/endpoint.py: in rounds, the batch not
+depending on their timing, or continuously with ``rollout.agent.batching=continuous``); a loop that raises or passes
+``rollout.agent.endpoint.timeout_s`` of its own time ends its trajectory as an endpoint agent's does.
 """
 
 from __future__ import annotations

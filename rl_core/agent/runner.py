@@ -16,6 +16,13 @@ trajectory ends on its last policy token). Round membership depends only on the 
 the tools' timing, so a step re-run draws the same trajectories (``generate`` stays retry-safe when every tool is
 idempotent). Round 0 is exactly the single-turn rollout: with no tools configured the batch is bit-identical to it.
 
+That is ``rollout.agent.batching=rounds``, a synchronous run's default. With ``continuous`` (the default when the
+rollout runs ahead of the trainer, ``async_training.mode`` one_step_off or fully_async) each trajectory proceeds on its
+own instead (:meth:`MultiTurnRollout._tool_loop`, batched with the endpoint agents' requests in
+:mod:`rl_core.agent.endpoint`): its next turn joins the next batch as soon as its calls are answered, so a trajectory
+waiting on a slow tool holds no other's turn; the same turns are taken (the tokens, masks and records are assembled
+the same way), but which batch, and so which random stream, samples each turn depends on the tools' timing.
+
 A row whose ``agent_name`` is ``single_turn_agent`` (verl's column; ``rollout.agent.default_agent_loop`` for rows
 without one, ``tool_agent`` by default) ends after its first turn, whatever it says; ``tool_agent`` rows run the loop.
 A row with an interaction (``extra_info.interaction_kwargs``, :mod:`rl_core.agent.interactions`): a turn without
@@ -27,6 +34,7 @@ reached) or ``parse_error`` (``on_parse_error=stop``).
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import time
 from dataclasses import dataclass, field
@@ -38,7 +46,7 @@ from rl_core.agent.checks import agent_loop_problem
 from rl_core.agent.endpoint import ROUND_STRIDE, EndpointAgents
 from rl_core.agent.executor import CallResult, ToolExecutor, ToolSession, refused
 from rl_core.agent.interactions import configured_interactions
-from rl_core.agent.loops import REGISTERED
+from rl_core.agent.loops import REGISTERED, TokenServer
 from rl_core.agent.observations import ObservationEncoder
 from rl_core.agent.parsers import ToolCall, parse_calls
 from rl_core.agent.tools.base import BaseTool
@@ -154,9 +162,10 @@ class MultiTurnRollout:
             if answered or by_endpoint
             else None
         )
+        self.continuous = rollout_config.agent.batching == "continuous"
         self.endpoint_agents = (
             EndpointAgents(engine, tokenizer, rollout_config, self.observations, self.settings.format)
-            if by_endpoint
+            if by_endpoint or self.continuous
             else None
         )
 
@@ -179,32 +188,23 @@ class MultiTurnRollout:
             for ids, extra, raw, agent in zip(prompt_contexts(prompts), extras, raw_prompts, agents)
         ]
         with self.engine.rollout(prompts.meta_info):
-            round_index = 0
-            while active := [t for t in trajectories if t.finish is None and not t.by_endpoint]:
-                for chunk, start in enumerate(range(0, len(active), self.chunk_size)):
-                    part = active[start : start + self.chunk_size]
-                    seed = sampling_seed(self.config, prompts.meta_info, rank, round_index * ROUND_STRIDE + chunk)
-                    budgets = [self.response_length - len(t.ids) for t in part]
-                    samples = self.engine.generate_tokens(
-                        [t.prompt + t.ids for t in part], budgets, params, seed, width
+            if self.continuous:  # every trajectory on its own; the built-in loop's as coroutines (endpoint.py)
+                rows = [task_row(prompts, row) for row in range(len(prompts))]
+                meta_info = prompts.meta_info
+                self.endpoint_agents.run(trajectories, rows, agents, params, meta_info, 0, width, self._tool_loop)
+            else:
+                rounds = self._run_rounds(trajectories, params, prompts.meta_info, rank, width)
+                by_endpoint = [row for row, trajectory in enumerate(trajectories) if trajectory.by_endpoint]
+                if by_endpoint:
+                    self.endpoint_agents.run(
+                        [trajectories[row] for row in by_endpoint],
+                        [task_row(prompts, row) for row in by_endpoint],
+                        [agents[row] for row in by_endpoint],
+                        params,
+                        prompts.meta_info,
+                        first_round=rounds,
+                        width=width,
                     )
-                    for trajectory, sample in zip(part, samples):
-                        self._take_turn(trajectory, sample)
-                for trajectory in active:
-                    if trajectory.finish is None:
-                        self._append_answers(trajectory)
-                round_index += 1
-            by_endpoint = [row for row, trajectory in enumerate(trajectories) if trajectory.by_endpoint]
-            if by_endpoint:
-                self.endpoint_agents.run(
-                    [trajectories[row] for row in by_endpoint],
-                    [task_row(prompts, row) for row in by_endpoint],
-                    [agents[row] for row in by_endpoint],
-                    params,
-                    prompts.meta_info,
-                    first_round=round_index,
-                    width=width,
-                )
         self._finish_sessions(trajectories)
         samples = [
             TokenSample(t.ids, t.log_probs if self.config.calculate_log_probs else None, t.finish) for t in trajectories
@@ -220,6 +220,25 @@ class MultiTurnRollout:
         out.meta_info[TEMPERATURE] = params.temperature
         return out
 
+    def _run_rounds(
+        self, trajectories: list[Trajectory], params: Any, meta_info: dict[str, Any], rank: int, width: int
+    ) -> int:
+        """The built-in loop's trajectories in rounds (the module doc); returns how many rounds ran."""
+        round_index = 0
+        while active := [t for t in trajectories if t.finish is None and not t.by_endpoint]:
+            for chunk, start in enumerate(range(0, len(active), self.chunk_size)):
+                part = active[start : start + self.chunk_size]
+                seed = sampling_seed(self.config, meta_info, rank, round_index * ROUND_STRIDE + chunk)
+                budgets = [self.response_length - len(t.ids) for t in part]
+                samples = self.engine.generate_tokens([t.prompt + t.ids for t in part], budgets, params, seed, width)
+                for trajectory, sample in zip(part, samples):
+                    self._take_turn(trajectory, sample)
+            for trajectory in active:
+                if trajectory.finish is None:
+                    self._append_answers(trajectory)
+            round_index += 1
+        return round_index
+
     def _agent_names(self, prompts: Batch) -> list[str]:
         """Each row's agent loop (its ``agent_name``, else the default), refused when the settings cannot run it."""
         default = self.config.agent.default_agent_loop or ("tool_agent" if self.settings.enable else SINGLE_TURN)
@@ -230,6 +249,20 @@ class MultiTurnRollout:
             if problem is not None:
                 raise ValueError(f"a row's agent_name is {name}: {problem}")
         return agents
+
+    async def _tool_loop(self, trajectory: Trajectory, server: TokenServer) -> None:
+        """One trajectory of the built-in loop on its own (continuous batching): a turn, its calls' answers once they
+        are all in (no other trajectory waits for them), the next turn."""
+        settings = self.settings
+        while trajectory.finish is None:
+            budget = {"max_tokens": self.response_length - len(trajectory.ids)}
+            output = await server.generate("", prompt_ids=trajectory.prompt + trajectory.ids, sampling_params=budget)
+            self._take_turn(trajectory, TokenSample(output.token_ids, output.log_probs, output.finish_reason))
+            if trajectory.finish is None:
+                answers = [future for _, future in trajectory.pending] + [trajectory.reply] * bool(trajectory.reply)
+                # bounded as _append_answers bounds them (a tools' loop that is itself stuck)
+                await asyncio.wait([asyncio.wrap_future(f) for f in answers], timeout=2 * settings.tool_timeout_s + 30)
+                self._append_answers(trajectory)
 
     # ------------------------------------------------------------------ one turn
     def _take_turn(self, trajectory: Trajectory, sample: TokenSample) -> None:

@@ -73,9 +73,9 @@ class SleepTool(BaseTool):
         return ToolResponse(f"slept {parameters.get('x')}"), 0.0, {}
 
 
-def rollout_config(**multi_turn):
+def rollout_config(batching="rounds", **multi_turn):
     config = OmegaConf.structured(RolloutConfig(prompt_length=16, response_length=256, generation_batch_size=2))
-    return OmegaConf.merge(config, {"multi_turn": {"enable": True, **multi_turn}})
+    return OmegaConf.merge(config, {"multi_turn": {"enable": True, **multi_turn}, "agent": {"batching": batching}})
 
 
 def prompts_of(tmp_path, tokenizer, count):
@@ -99,9 +99,9 @@ def prompt_keys(batch):
     return [tuple(ids[row][mask[row]].tolist()) for row in range(len(batch))]
 
 
-def run(tokenizer, prompts, script, tools, **multi_turn):
+def run(tokenizer, prompts, script, tools, batching="rounds", **multi_turn):
     engine = ScriptedEngine(dict(zip(prompt_keys(prompts), script)), [tokenizer.eos_token_id])
-    rollout = MultiTurnRollout(engine, tokenizer, rollout_config(**multi_turn), tools)
+    rollout = MultiTurnRollout(engine, tokenizer, rollout_config(batching, **multi_turn), tools)
     return rollout.generate_sequences(prompts), engine
 
 
@@ -250,7 +250,7 @@ def test_turn_limits_and_the_response_budget_end_trajectories_on_a_policy_token(
         assert mask[int(real.sum()) - 1] == 1 and torch.equal(mask * real, mask)  # ends on a policy token
     # a turn cut by the budget ends the trajectory without running its call
     short = OmegaConf.structured(RolloutConfig(prompt_length=16, response_length=len(call) - 1))
-    short.multi_turn.enable = True
+    short.multi_turn.enable, short.agent.batching = True, "rounds"
     engine = ScriptedEngine(dict(zip(prompt_keys(prompts), script)), [tokenizer.eos_token_id])
     out = MultiTurnRollout(engine, tokenizer, short, load_tools(CALC_TOOLS)).generate_sequences(prompts)
     assert [info["tool_calls"] for info in out.non_tensors["multi_turn"]] == [[], []]
@@ -295,6 +295,57 @@ def test_the_batch_does_not_depend_on_the_tools_timing(tmp_path, tokenizer):
         seeds.append([(contexts, budgets, seed) for contexts, budgets, seed in engine.calls])
     assert all(torch.equal(batches[0].tensors[k], batches[1].tensors[k]) for k in batches[0].tensors)
     assert seeds[0] == seeds[1]  # the same chunks, in the same order, with the same seeds
+
+
+def test_continuous_batching_assembles_the_trajectories_the_rounds_do(tmp_path, tokenizer):
+    """The same scripted policy (its turns do not depend on the batch) in rounds and continuously: the same ids,
+    masks, log-probs, messages and finish reasons; only which batch generated which turn differs."""
+    prompts = prompts_of(tmp_path, tokenizer, 6)
+    call = turn(tokenizer, '<tool_call>{"name": "sleep", "arguments": {"x": 2}}</tool_call>')
+    three, two, one = [call, call, turn(tokenizer, "ok")], [call, turn(tokenizer, "ok")], [turn(tokenizer, "no")]
+    script = [[three, two, one][row % 3] for row in range(6)]
+    tools = {"sleep": SleepTool({"seed": 3})}
+    rounds, _ = run(tokenizer, prompts, script, tools)
+    continuous, engine = run(tokenizer, prompts, script, tools, batching="continuous")
+    assert set(continuous.tensors) == set(rounds.tensors)
+    assert all(torch.equal(rounds.tensors[key], continuous.tensors[key]) for key in rounds.tensors)
+    assert list(continuous.non_tensors["num_turns"]) == list(rounds.non_tensors["num_turns"]) == [6, 4, 2] * 2
+    for mode in (rounds, continuous):
+        for info in mode.non_tensors["multi_turn"]:  # the calls' timings differ
+            info.pop("tool_wait_s")
+            info["tool_calls"] = [{**record, "latency_s": None} for record in info["tool_calls"]]
+    assert list(continuous.non_tensors["multi_turn"]) == list(rounds.non_tensors["multi_turn"])
+    assert sum(len(contexts) for contexts, _, _ in engine.calls) == 3 + 2 + 1 + 3 + 2 + 1
+
+
+def test_with_continuous_batching_a_trajectory_waiting_on_its_tool_holds_no_one(tmp_path, tokenizer):
+    """Row 0 calls a tool that answers after 1 s, rows 1 and 2 a quick one twice before answering. In rounds, row 0's
+    second turn is generated with rows 1 and 2's (they waited for its answer); continuously, rows 1 and 2 take all
+    three turns meanwhile and row 0's last turn is generated alone, last."""
+    prompts = prompts_of(tmp_path, tokenizer, 3)
+    slow_schema = {"type": "function", "function": {"name": "slow", "parameters": {"required": ["x"]}}}
+    tools = {"sleep": SleepTool({"seconds": 0.01}), "slow": SleepTool({"seconds": 1.0}, slow_schema)}
+    slow = turn(tokenizer, '<tool_call>{"name": "slow", "arguments": {"x": 1}}</tool_call>')
+    quick = turn(tokenizer, '<tool_call>{"name": "sleep", "arguments": {"x": 1}}</tool_call>')
+    script = [
+        [slow, turn(tokenizer, "ok")],
+        [quick, quick, turn(tokenizer, "ok")],
+        [quick, quick, turn(tokenizer, "ok")],
+    ]
+    keys = prompt_keys(prompts)
+
+    def rows_of(contexts):
+        return sorted(next(row for row, key in enumerate(keys) if tuple(c[: len(key)]) == key) for c in contexts)
+
+    batches = {}
+    for batching in ("rounds", "continuous"):
+        out, engine = run(tokenizer, prompts, script, tools, batching=batching, max_concurrent_tools=4)
+        batches[batching] = [rows_of(contexts) for contexts, _, _ in engine.calls]
+        assert [info["finish_reason"] for info in out.non_tensors["multi_turn"]] == ["stop"] * 3
+    assert batches["rounds"] == [[0, 1], [2], [0, 1], [2], [1, 2]]
+    assert batches["continuous"][-1] == [0]
+    earlier = [row for batch in batches["continuous"][:-1] for row in batch]
+    assert earlier.count(0) == 1 and earlier.count(1) == earlier.count(2) == 3
 
 
 # ---------------------------------------------------------------------------------------------- the real engine

@@ -35,13 +35,13 @@ from tests.rl_core.test_agent_loop import (
 AGENTS = "tests.rl_core.test_endpoint_agent"
 
 
-def endpoint_config(agent: str | None = None, command: list[str] | None = None, timeout_s: float = 60.0, **multi_turn):
+def endpoint_config(
+    agent: str | None = None, command: list[str] | None = None, timeout_s: float = 60.0, batching="rounds", **multi_turn
+):
     config = OmegaConf.structured(RolloutConfig(prompt_length=16, response_length=256, generation_batch_size=2))
     endpoint = {"function": agent, "command": command, "timeout_s": timeout_s}
-    return OmegaConf.merge(
-        config,
-        {"multi_turn": multi_turn, "agent": {"default_agent_loop": "endpoint_agent", "endpoint": endpoint}},
-    )
+    agent_config = {"default_agent_loop": "endpoint_agent", "endpoint": endpoint, "batching": batching}
+    return OmegaConf.merge(config, {"multi_turn": multi_turn, "agent": agent_config})
 
 
 def run_endpoint(tokenizer, prompts, script, config, tools=None):
@@ -55,10 +55,11 @@ def client(base_url, api_key):
 
 
 # ---------------------------------------------------------------------------------------------- the trajectory
-def test_the_calc_agent_through_the_endpoint_gives_the_tool_loops_batch_exactly(tmp_path, tokenizer):
+@pytest.mark.parametrize("batching", ["rounds", "continuous"])
+def test_the_calc_agent_through_the_endpoint_gives_the_tool_loops_batch_exactly(tmp_path, tokenizer, batching):
     """The demo's calc agent (an OpenAI client that runs the calculator itself) and the built-in tool loop with the
     calculator (format tag, two assistant turns) over the same scripted policy: the same token ids, masks, log-probs,
-    prompts and turn counts, generated in the same chunks with the same seeds."""
+    prompts and turn counts; in rounds generated in the same chunks with the same seeds."""
     prompts = prompts_of(tmp_path, tokenizer, 5)
     script = [
         [turn(tokenizer, "<call>37*48</call>"), turn(tokenizer, "1776")],
@@ -68,13 +69,14 @@ def test_the_calc_agent_through_the_endpoint_gives_the_tool_loops_batch_exactly(
         [turn(tokenizer, "<call>9*9"), turn(tokenizer, "81")],  # a call without its end tag: told so
     ]
     settings = {"enable": True, "format": "tag", "max_assistant_turns": 2, "max_parallel_calls": 4}
-    loop, loop_engine = run(tokenizer, prompts, script, load_tools(CALC_TOOLS), **settings)
-    config = endpoint_config("rl_core.agent.demo_agents:calc_agent", **settings)
+    loop, loop_engine = run(tokenizer, prompts, script, load_tools(CALC_TOOLS), batching, **settings)
+    config = endpoint_config("rl_core.agent.demo_agents:calc_agent", batching=batching, **settings)
     endpoint, endpoint_engine = run_endpoint(tokenizer, prompts, script, config, load_tools(CALC_TOOLS))
     assert set(endpoint.tensors) == set(loop.tensors)
     for key in loop.tensors:
         assert torch.equal(endpoint.tensors[key], loop.tensors[key]), key
-    assert endpoint_engine.calls == loop_engine.calls  # the same contexts, budgets and seeds, chunk by chunk
+    if batching == "rounds":  # the same contexts, budgets and seeds, chunk by chunk
+        assert endpoint_engine.calls == loop_engine.calls
     assert list(endpoint.non_tensors["num_turns"]) == list(loop.non_tensors["num_turns"]) == [4, 2, 4, 4, 4]
     answers = [[c["answer"] for c in info["tool_calls"]] for info in endpoint.non_tensors["multi_turn"]]
     assert answers == [[c["answer"] for c in info["tool_calls"]] for info in loop.non_tensors["multi_turn"]]
@@ -98,7 +100,8 @@ def system_and_follow_up_agent(base_url, api_key, row):
         messages += [{"role": "user", "content": follow_up}]
 
 
-def test_the_trained_sequence_is_what_the_policy_was_sampled_from(tmp_path, config):
+@pytest.mark.parametrize("batching", ["rounds", "continuous"])
+def test_the_trained_sequence_is_what_the_policy_was_sampled_from(tmp_path, config, batching):
     """Real sampling (the HF engine on the tiny model): the batch's prompt is the agent's first request as the chat
     template renders it (its own system message included), the follow-up is in the response unmasked-out, and the
     log-probs the model gives the assembled sequence at the trained positions are the sampler's, which are also the
@@ -107,7 +110,7 @@ def test_the_trained_sequence_is_what_the_policy_was_sampled_from(tmp_path, conf
     rollout = config.actor_rollout_ref.rollout
     rollout.agent.default_agent_loop = "endpoint_agent"
     rollout.agent.endpoint.function = f"{AGENTS}:system_and_follow_up_agent"
-    rollout.response_length, rollout.calculate_log_probs = 32, True
+    rollout.response_length, rollout.calculate_log_probs, rollout.agent.batching = 32, True, batching
     data = OmegaConf.structured(DataConfig(max_prompt_length=40, max_response_length=32))
     prompts = addition_dataset(tmp_path, tokenizer, data, count=3).collate([0, 1, 2])
     engine = build_rollout_engine("hf", model=model, tokenizer=tokenizer, rollout_config=rollout)
@@ -129,6 +132,41 @@ def test_the_trained_sequence_is_what_the_policy_was_sampled_from(tmp_path, conf
         length = int(out.tensors["attention_mask"][row, width:].sum())
         untrained = out.tensors["responses"][row, :length][~mask[row, :length]]
         assert "Again?" in tokenizer.decode(untrained)
+
+
+def sleepy_agent(base_url, api_key, row):
+    """Asks twice; the first row's agent works 1 s on its own between its requests."""
+    messages = list(row["prompt"])
+    for follow_up in ("Again?", None):
+        reply = client(base_url, api_key).chat.completions.create(model="m", messages=messages)
+        if follow_up is None:
+            return reply.choices[0].message.content
+        if row["extra_info"]["index"] == 0:
+            time.sleep(1.0)
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content}]
+        messages += [{"role": "user", "content": follow_up}]
+
+
+def test_with_continuous_batching_a_slow_agent_holds_no_one(tmp_path, tokenizer):
+    """Three agents ask twice; the first one works 1 s between its requests. In rounds the others' second requests
+    wait for it (one batch of all three); continuously they are answered meanwhile and its own comes last, alone."""
+    prompts = prompts_of(tmp_path, tokenizer, 3)
+    script = [[turn(tokenizer, "12"), turn(tokenizer, "34")]] * 3
+    keys = prompt_keys(prompts)
+    for batching in ("rounds", "continuous"):
+        config = OmegaConf.merge(
+            endpoint_config(f"{AGENTS}:sleepy_agent", batching=batching), {"generation_batch_size": 4}
+        )
+        out, engine = run_endpoint(tokenizer, prompts, script, config)
+        batches = [
+            sorted(next(row for row, key in enumerate(keys) if tuple(c[: len(key)]) == key) for c in contexts)
+            for contexts, _, _ in engine.calls
+        ]
+        assert [info["final_answer"] for info in out.non_tensors["multi_turn"]] == ["34"] * 3
+        if batching == "rounds":
+            assert batches == [[0, 1, 2], [0, 1, 2]]
+        else:
+            assert batches[-1] == [0] and sorted(row for batch in batches[:-1] for row in batch) == [0, 1, 1, 2, 2]
 
 
 # ---------------------------------------------------------------------------------------------- bad input
@@ -223,7 +261,7 @@ def test_a_command_agent_gets_its_url_key_and_row_in_its_environment(tmp_path, t
 def test_the_config_refuses_an_endpoint_agent_that_cannot_run():
     def check(**endpoint):
         config = OmegaConf.structured(RolloutConfig())
-        config.agent.default_agent_loop = "endpoint_agent"
+        config.agent.default_agent_loop, config.agent.batching = "endpoint_agent", "rounds"
         config.agent.endpoint = OmegaConf.merge(config.agent.endpoint, endpoint)
         check_multi_turn(config)
 

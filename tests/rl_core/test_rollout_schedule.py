@@ -85,3 +85,13 @@ def test_asynchronous_configs_compose():
         ]
     )
     assert GenerationWindow.from_config(config.async_training) == GenerationWindow(3, 2)
+
+
+def test_agents_are_batched_in_rounds_when_synchronous_and_continuously_when_ahead():
+    assert compose_config([]).actor_rollout_ref.rollout.agent.batching == "rounds"
+    ahead = compose_config(["rollout.n_gpus_per_node=1", "async_training.mode=one_step_off"])
+    assert ahead.actor_rollout_ref.rollout.agent.batching == "continuous"
+    chosen = compose_config(["actor_rollout_ref.rollout.agent.batching=continuous"])
+    assert chosen.actor_rollout_ref.rollout.agent.batching == "continuous"
+    with pytest.raises(ConfigError, match="agent.batching=.eager.: choose one of continuous, rounds"):
+        compose_config(["actor_rollout_ref.rollout.agent.batching=eager"])
