@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rl_core.algos.kl import get_kl_controller  # noqa: E402
 from rl_core.batch import Batch  # noqa: E402
 from rl_core.batch_fields import ADVANTAGES, ATTENTION_MASK, OLD_LOG_PROBS, REF_LOG_PROB, RESPONSE_MASK  # noqa: E402
-from rl_core.config import PPOTrainerConfig  # noqa: E402
+from rl_core.config import RESOLVERS, PPOTrainerConfig  # noqa: E402
 from rl_core.data.dataset import RLDataset  # noqa: E402
 from rl_core.data.rows import write_rows  # noqa: E402
 from rl_core.data.sampler import ResumableSampler  # noqa: E402
@@ -66,17 +66,25 @@ UPDATE_TOLERANCE = 0.25  # relative difference of the bf16 and float32 weight up
 
 
 def resolve_interpolations(node: object, root: object) -> None:
-    """Replace rl_core.config's ``"${a.b}"`` defaults by the values they name (what OmegaConf does, which this script
-    does without)."""
+    """Replace rl_core.config's ``"${a.b}"`` and ``"${resolver:${a.b}}"`` defaults by the values they name (what
+    OmegaConf does, which this script does without)."""
     for field in dataclasses.fields(node):
         value = getattr(node, field.name)
         if dataclasses.is_dataclass(value):
             resolve_interpolations(value, root)
         elif isinstance(value, str) and value.startswith("${") and value.endswith("}"):
-            target = root
-            for part in value[2:-1].split("."):
-                target = getattr(target, part)
-            setattr(node, field.name, target)
+            setattr(node, field.name, interpolated(value, root))
+
+
+def interpolated(value: str, root: object) -> object:
+    """The value of one interpolation: a key's (``${a.b}``) or a resolver's of its argument (``${name:ARG}``)."""
+    name, colon, argument = value[2:-1].partition(":")
+    if colon:
+        return RESOLVERS[name](interpolated(argument, root) if argument.startswith("${") else argument)
+    target = root
+    for part in name.split("."):
+        target = getattr(target, part)
+    return target
 
 
 def run_config(

@@ -22,9 +22,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from flows.secrets import redact_text
-from rl_core.config import ConfigValueError, PPOTrainerConfig, check_config
+from rl_core.config import RESOLVERS, ConfigValueError, PPOTrainerConfig, check_config
 from rl_core.remote_folder import is_remote
-from rl_core.rollout_schedule import agent_batching
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 CONFIG_NAME = "ppo_trainer"
@@ -32,8 +31,8 @@ DEMO_PROFILE = CONFIG_DIR / "profile" / "demo.yaml"
 CALC_PROFILE = CONFIG_DIR / "profile" / "demo_calc.yaml"  # over the demo profile, for data.synthetic.task=calc
 # `${configs_dir:}` in a config: this folder (the tool demo's profile names its tool YAML with it)
 OmegaConf.register_new_resolver("configs_dir", lambda: str(CONFIG_DIR), replace=True)
-# `${agent_batching:${async_training.mode}}`: rollout.agent.batching's default for the schedule
-OmegaConf.register_new_resolver("agent_batching", agent_batching, replace=True)
+for _name, _resolver in RESOLVERS.items():  # e.g. `${agent_batching:${async_training.mode}}`
+    OmegaConf.register_new_resolver(_name, _resolver, replace=True)
 ConfigStore.instance().store(name="ppoflow_schema", node=PPOTrainerConfig)
 
 

@@ -20,12 +20,15 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rl_core.rollout_schedule import AGENT_BATCHING, SCHEDULES, check_async_training
+from rl_core.rollout_schedule import AGENT_BATCHING, SCHEDULES, agent_batching, check_async_training
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
 
+# the resolvers the defaults below call (``"${name:${a.b}}"``): flows.config registers them with OmegaConf,
+# bench/gpu_check.py applies them without it
+RESOLVERS = {"agent_batching": agent_batching}
 DEVICES = ("auto", "cpu", "cuda")
 # a compute dtype's names -> torch's name for it (auto: bf16 on CUDA, float32 on the CPU: rl_core.device)
 COMPUTE_DTYPE_NAMES = {

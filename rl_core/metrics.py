@@ -63,10 +63,10 @@ def multi_turn_metrics(num_turns: list[int], trajectories: list[dict]) -> dict[s
     ``tool/call_rate`` (share of samples that called a tool), ``tool/calls_per_sample``, ``tool/success_rate``,
     ``tool/errors/<kind>`` (calls per sample answered with that error), ``tool/latency_s/{mean,max}``,
     ``tool/response_truncated_ratio``, ``multi_turn/finish/<reason>`` (share of samples) and ``timing_s/tools``: the
-    seconds generation waited for tool answers that had not arrived when its chunks were done (the time the tools
-    were not overlapped), summed over the batch's trajectories (so over ranks too). With endpoint agents
-    (rl_core/agent/endpoint.py) ``endpoint/calls_per_sample`` and ``endpoint/untrained_calls_per_sample``; their tool
-    messages count as calls, and ``timing_s/tools`` is the agents' own time between their requests."""
+    seconds generation waited for tool answers (or agents' requests) that had not arrived when it could have gone on
+    (the time the tools were not overlapped; each such wait shared among the trajectories it waited for), summed over
+    the batch's trajectories (so over ranks too). With endpoint agents (rl_core/agent/endpoint.py)
+    ``endpoint/calls_per_sample`` and ``endpoint/untrained_calls_per_sample``; their tool messages count as calls."""
     metrics = _stats("num_turns", torch.tensor(num_turns, dtype=torch.float32))
     calls = [call for trajectory in trajectories for call in trajectory["tool_calls"]]
     samples = len(trajectories)

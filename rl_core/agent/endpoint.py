@@ -255,8 +255,6 @@ class EndpointAgents:
                 raise ApiError(409, "this trajectory's agent has ended", code="trajectory_ended")
             if session.waiting is not None:
                 raise ApiError(409, "one request at a time per trajectory", code="concurrent_request")
-            if session.replied_at is not None:
-                session.trajectory.tool_wait_s += time.monotonic() - session.replied_at
             session.waiting = call
             session.asked_at = self.last_arrival = time.monotonic()
             self.condition.notify_all()
@@ -283,7 +281,10 @@ class EndpointAgents:
                     if len(waiting) >= self.chunk_size or linger <= 0:
                         return waiting
                     timeout = min(timeout, linger)
+                waited_for = [session for session in running if session.waiting is None]
                 self.condition.wait(timeout=timeout if timeout != float("inf") else None)
+                for session in waited_for:  # the engine's idle time, shared by the agents it waited for
+                    session.trajectory.tool_wait_s += (time.monotonic() - now) / len(waited_for)
 
     def _serve(
         self,

@@ -95,7 +95,7 @@ class Trajectory:
     calls: list[dict[str, Any]] = field(default_factory=list)
     pending: list[tuple[ToolCall, concurrent.futures.Future]] = field(default_factory=list)
     reply: concurrent.futures.Future | None = None  # the interaction's answer to the last turn
-    tool_wait_s: float = 0.0  # how long the loop waited for this trajectory's answers after its chunks generated
+    tool_wait_s: float = 0.0  # how long generation waited for this trajectory's answers (or its agent's request)
     finish: str | None = None
     single_turn: bool = False  # its row's agent loop is single_turn_agent
     session: ToolSession = field(default_factory=ToolSession)  # its tool instances (rl_core/agent/executor.py)

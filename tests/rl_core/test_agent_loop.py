@@ -342,6 +342,9 @@ def test_with_continuous_batching_a_trajectory_waiting_on_its_tool_holds_no_one(
         out, engine = run(tokenizer, prompts, script, tools, batching=batching, max_concurrent_tools=4)
         batches[batching] = [rows_of(contexts) for contexts, _, _ in engine.calls]
         assert [info["finish_reason"] for info in out.non_tensors["multi_turn"]] == ["stop"] * 3
+        # generation waited about the slow call's second, once: not the quick calls' time, not the slow one per row
+        waited = multi_turn_metrics(list(out.non_tensors["num_turns"]), list(out.non_tensors["multi_turn"]))
+        assert 0.9 <= waited["timing_s/tools"] < 1.5, batching
     assert batches["rounds"] == [[0, 1], [2], [0, 1], [2], [1, 2]]
     assert batches["continuous"][-1] == [0]
     earlier = [row for batch in batches["continuous"][:-1] for row in batch]

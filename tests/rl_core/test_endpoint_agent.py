@@ -19,6 +19,7 @@ from rl_core.agent.loops import AgentLoopBase, AgentLoopOutput
 from rl_core.agent.runner import MultiTurnRollout
 from rl_core.agent.tools.registry import load_tools
 from rl_core.config import ConfigValueError, DataConfig, RolloutConfig
+from rl_core.metrics import multi_turn_metrics
 from rl_core.models.loading import load_policy_model
 from rl_core.rollout import build_rollout_engine
 from tests.rl_core.helpers import addition_dataset, response_logits
@@ -163,6 +164,8 @@ def test_with_continuous_batching_a_slow_agent_holds_no_one(tmp_path, tokenizer)
             for contexts, _, _ in engine.calls
         ]
         assert [info["final_answer"] for info in out.non_tensors["multi_turn"]] == ["34"] * 3
+        waited = multi_turn_metrics(list(out.non_tensors["num_turns"]), list(out.non_tensors["multi_turn"]))
+        assert 0.9 <= waited["timing_s/tools"] < 1.5, batching  # generation waited for the slow agent's second once
         if batching == "rounds":
             assert batches == [[0, 1, 2], [0, 1, 2]]
         else:
