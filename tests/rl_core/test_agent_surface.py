@@ -136,7 +136,8 @@ def test_each_trajectory_has_its_own_tool_instances_made_from_its_rows_tools_kwa
         assert merged["rollout_reward_scores"] == info["rollout_reward_scores"]
 
 
-def test_a_simulated_user_answers_turns_without_calls_until_it_ends_the_dialogue(tmp_path, tokenizer):
+@pytest.mark.parametrize("batching", ["rounds", "continuous"])
+def test_a_simulated_user_answers_turns_without_calls_until_it_ends_the_dialogue(tmp_path, tokenizer, batching):
     """verl's interactions: a row's extra_info.interaction_kwargs picks the interaction of interaction_config_path; a
     turn without calls gets its reply as a user message (mask 0) and the policy speaks again, until it ends the
     dialogue; its scores reach extra_info as turn_scores; a failing one ends the trajectory, named."""
@@ -154,7 +155,7 @@ def test_a_simulated_user_answers_turns_without_calls_until_it_ends_the_dialogue
         [turn(tokenizer, "1"), turn(tokenizer, "unused")],
     ]
     GuessInteraction.log.clear()
-    out, _ = run(tokenizer, prompts, script, {}, interaction_config_path=str(config))
+    out, _ = run(tokenizer, prompts, script, {}, batching, interaction_config_path=str(config))
     infos = list(out.non_tensors["multi_turn"])
     assert [info["finish_reason"] for info in infos] == ["interaction", "stop", "interaction"]
     assert [info["turn_scores"] for info in infos] == [[0.0, 1.0], [], [0.0]]
@@ -184,7 +185,8 @@ def test_a_simulated_user_answers_turns_without_calls_until_it_ends_the_dialogue
         run(tokenizer, prompts, script, {}, interaction_config_path=str(config))
 
 
-def test_a_verl_multi_turn_row_and_its_tool_and_interaction_configs_run_unchanged(tmp_path, tokenizer):
+@pytest.mark.parametrize("batching", ["rounds", "continuous"])
+def test_a_verl_multi_turn_row_and_its_tool_and_interaction_configs_run_unchanged(tmp_path, tokenizer, batching):
     """A row as verl's GSM8K multi-turn preprocessing writes it (system + user prompt, ``need_tools_kwargs``,
     ``tools_kwargs.<tool>.create_kwargs.ground_truth``, ``interaction_kwargs`` with ``name``, ``query`` and
     ``ground_truth``), a tool YAML and an interaction YAML in verl's layout: read by the dataset as they are, and the
@@ -231,7 +233,7 @@ def test_a_verl_multi_turn_row_and_its_tool_and_interaction_configs_run_unchange
     script = [[turn(tokenizer, submit(70)), turn(tokenizer, "70"), turn(tokenizer, "72"), turn(tokenizer, "unused")]]
     engine = ScriptedEngine(dict(zip(prompt_keys(prompts), script)), [tokenizer.eos_token_id])
     settings = {"tool_config_path": str(tools_yaml), "interaction_config_path": str(interactions_yaml)}
-    config = OmegaConf.merge(rollout_config(**settings), {"prompt_length": 192})
+    config = OmegaConf.merge(rollout_config(batching, **settings), {"prompt_length": 192})
     out = MultiTurnRollout(engine, tokenizer, config, load_tools(tools_yaml)).generate_sequences(prompts)
     info = out.non_tensors["multi_turn"][0]
     assert info["finish_reason"] == "interaction" and info["turn_scores"] == [0.0, 1.0]
