@@ -22,7 +22,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from flows.secrets import redact_text
-from rl_core.config import RESOLVERS, ConfigValueError, PPOTrainerConfig, check_config
+from rl_core.config import RESOLVERS, PPOTrainerConfig
+from rl_core.config_checks import ConfigValueError, check_config
 from rl_core.remote_folder import is_remote
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"

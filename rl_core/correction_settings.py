@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rl_core.config import ConfigValueError
 from rl_core.config_access import config_get
+from rl_core.config_checks import ConfigValueError
 
 IS_LEVELS = ("token", "sequence")
 RS_LEVELS = ("token", "seq_sum", "seq_mean", "seq_max")

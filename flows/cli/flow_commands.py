@@ -44,7 +44,7 @@ def _train(args: argparse.Namespace) -> int:
     phase(args, "Prefect and the stack configured")
     from flows.config import ConfigError, compose_config
     from flows.resume import ResumeRefused, check_resume
-    from rl_core.config import ConfigValueError
+    from rl_core.config_checks import ConfigValueError
     from rl_core.input_checks import InputError, check_run_inputs
 
     # a wrong key, type or value, unusable data, model or reward, a resume under a changed config: one line each, in

@@ -10,7 +10,7 @@ from rl_core.agent.loops import AgentLoopConfigError, configured_loops
 from rl_core.agent.parsers import tag_argument
 from rl_core.agent.tools.registry import ToolConfigError, configured_tools
 from rl_core.agent.user_agent import ENDPOINT_AGENT, AgentConfigError, load_agent
-from rl_core.config import ConfigValueError
+from rl_core.config_checks import ConfigValueError
 from rl_core.data.rows import AGENT_LOOPS
 
 

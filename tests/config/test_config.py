@@ -8,7 +8,8 @@ import pytest
 from omegaconf import DictConfig, OmegaConf
 
 from flows.config import ConfigError, absolute_paths, compose_config
-from rl_core.config import CHOICES, check_config, default_config
+from rl_core.config import default_config
+from rl_core.config_checks import CHOICES, check_config
 from rl_core.models.optim import build_optimizer
 from tests.conftest import ROOT
 

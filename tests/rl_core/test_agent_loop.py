@@ -21,7 +21,8 @@ from rl_core.agent.parsers import ToolCall, parse_calls
 from rl_core.agent.runner import MultiTurnRollout
 from rl_core.agent.tools.base import BaseTool, ToolResponse
 from rl_core.agent.tools.registry import builtin_tool, load_tools, tool_schemas
-from rl_core.config import ConfigValueError, DataConfig, RolloutConfig
+from rl_core.config import DataConfig, RolloutConfig
+from rl_core.config_checks import ConfigValueError
 from rl_core.data.dataset import RLDataset
 from rl_core.metrics import multi_turn_metrics
 from rl_core.models.loading import load_policy_model

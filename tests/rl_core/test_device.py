@@ -7,7 +7,7 @@ import torch
 from omegaconf import OmegaConf
 
 from rl_core.batch import Batch
-from rl_core.config import ConfigValueError, check_config
+from rl_core.config_checks import ConfigValueError, check_config
 from rl_core.device import DeviceError, compute_dtype, cuda_device_index, on_worker_device, resolve_device
 from rl_core.input_checks import device_problems
 from rl_core.models.flops import matmul_weights, mfu, peak_flops, training_flops

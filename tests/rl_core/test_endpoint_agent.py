@@ -18,7 +18,8 @@ from rl_core.agent.checks import check_multi_turn
 from rl_core.agent.loops import AgentLoopBase, AgentLoopOutput
 from rl_core.agent.runner import MultiTurnRollout
 from rl_core.agent.tools.registry import load_tools
-from rl_core.config import ConfigValueError, DataConfig, RolloutConfig
+from rl_core.config import DataConfig, RolloutConfig
+from rl_core.config_checks import ConfigValueError
 from rl_core.metrics import multi_turn_metrics
 from rl_core.models.loading import load_policy_model
 from rl_core.rollout import build_rollout_engine
