@@ -5,7 +5,8 @@ number of samples, runs alternated in one sitting.
                              [--batching default rounds continuous]
 
 Each run is ``ppoflow train`` on the embedded demo (``demo``: addition, a 64-wide model) or the tool demo (``tool``:
-multiplication through the calculator, its answers delayed by ``--tool-latency`` seconds like a remote service), in a
+multiplication through the calculator, its answers delayed by ``--tool-latency`` seconds like a remote service, or by
+a time drawn between that and ``--tool-latency-max`` for each call), in a
 folder of its own, with validation after the last step only; repeat r uses the shuffling and sampling seeds r+1 and
 r in every mode (the accuracy after a few steps is the seed's as much as the mode's):
 
@@ -61,11 +62,13 @@ MODES = {
 }
 
 
-def tool_config(folder: Path, latency_s: float) -> Path:
-    """The calculator's tool YAML with its answers delayed by ``latency_s``."""
+def tool_config(folder: Path, latency_s: float, latency_max_s: float | None) -> Path:
+    """The calculator's tool YAML with its answers delayed by ``latency_s`` (or by a time drawn uniformly between it
+    and ``latency_max_s`` for each call)."""
     text = (ROOT / "configs" / "tools" / "calculator.yaml").read_text()
+    latency = latency_s if latency_max_s is None else f"[{latency_s}, {latency_max_s}]"
     path = folder / "slow_calculator.yaml"
-    path.write_text(text.replace("config: {type: native}", f"config: {{type: native, latency_s: {latency_s}}}"))
+    path.write_text(text.replace("config: {type: native}", f"config: {{type: native, latency_s: {latency}}}"))
     return path
 
 
@@ -100,6 +103,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES), help="sync always runs")
     parser.add_argument("--tool-latency", type=float, default=0.1, help="seconds per calculator call (tool workload)")
+    parser.add_argument("--tool-latency-max", type=float, help="each call's seconds drawn from [--tool-latency, this]")
     parser.add_argument("--batching", nargs="+", choices=["default", "rounds", "continuous"], default=["default"])
     args = parser.parse_args()
     from flows.config import compose_config
@@ -120,7 +124,8 @@ def main() -> None:
             overrides += [f"trainer.test_freq={args.steps}", "trainer.val_before_train=false"]
             if workload == "tool":
                 overrides.append(
-                    f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tool_config(Path(tmp), args.tool_latency)}"
+                    "actor_rollout_ref.rollout.multi_turn.tool_config_path="
+                    + str(tool_config(Path(tmp), args.tool_latency, args.tool_latency_max))
                 )
             config = compose_config(overrides)
             samples = config.data.train_batch_size * config.actor_rollout_ref.rollout.n

@@ -65,7 +65,9 @@ def multi_turn_metrics(num_turns: list[int], trajectories: list[dict]) -> dict[s
     ``tool/response_truncated_ratio``, ``multi_turn/finish/<reason>`` (share of samples) and ``timing_s/tools``: the
     seconds generation waited for tool answers (or agents' requests) that had not arrived when it could have gone on
     (the time the tools were not overlapped; each such wait shared among the trajectories it waited for), summed over
-    the batch's trajectories (so over ranks too). With endpoint agents (rl_core/agent/endpoint.py)
+    the batch's trajectories (so over ranks too); ``multi_turn/batch_size/mean``: how many turns the generate call
+    that sampled a turn sampled at once, over every turn (rounds batch whole rounds; continuous batching, smaller and
+    more calls). With endpoint agents (rl_core/agent/endpoint.py)
     ``endpoint/calls_per_sample`` and ``endpoint/untrained_calls_per_sample``; their tool messages count as calls."""
     metrics = _stats("num_turns", torch.tensor(num_turns, dtype=torch.float32))
     calls = [call for trajectory in trajectories for call in trajectory["tool_calls"]]
@@ -73,6 +75,9 @@ def multi_turn_metrics(num_turns: list[int], trajectories: list[dict]) -> dict[s
     metrics["tool/call_rate"] = sum(bool(t["tool_calls"]) for t in trajectories) / samples
     metrics["tool/calls_per_sample"] = len(calls) / samples
     metrics["timing_s/tools"] = sum(t["tool_wait_s"] for t in trajectories)
+    sizes = [size for trajectory in trajectories for size in trajectory["batch_sizes"]]
+    if sizes:
+        metrics["multi_turn/batch_size/mean"] = sum(sizes) / len(sizes)
     for kind in ERROR_KINDS:
         metrics[f"tool/errors/{kind}"] = sum(call["error"] == kind for call in calls) / samples
     for reason in FINISH_REASONS:

@@ -314,6 +314,7 @@ class EndpointAgents:
                 [job[2] for job in part], [job[3] for job in part], params, seed, self.prompt_length
             )
             for (session, call, context, _, recorded), sample in zip(part, samples):
+                session.trajectory.batch_sizes.append(len(part))
                 if isinstance(call.request, TokenRequest):
                     session.calls += 1
                     self._answer(session, call, TokenOutput(sample.token_ids, sample.log_probs, sample.finish_reason))

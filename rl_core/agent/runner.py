@@ -96,6 +96,7 @@ class Trajectory:
     pending: list[tuple[ToolCall, concurrent.futures.Future]] = field(default_factory=list)
     reply: concurrent.futures.Future | None = None  # the interaction's answer to the last turn
     tool_wait_s: float = 0.0  # how long generation waited for this trajectory's answers (or its agent's request)
+    batch_sizes: list[int] = field(default_factory=list)  # of the generate calls that sampled its turns
     finish: str | None = None
     single_turn: bool = False  # its row's agent loop is single_turn_agent
     session: ToolSession = field(default_factory=ToolSession)  # its tool instances (rl_core/agent/executor.py)
@@ -121,6 +122,7 @@ class Trajectory:
             "finish_reason": self.finish,
             "final_answer": answers[-1] if answers else "",
             "tool_wait_s": self.tool_wait_s,
+            "batch_sizes": self.batch_sizes,
             "tool_rewards": self.tool_rewards,
             "rollout_reward_scores": self.reward_scores,
             "turn_scores": self.turn_scores,
@@ -232,6 +234,7 @@ class MultiTurnRollout:
                 budgets = [self.response_length - len(t.ids) for t in part]
                 samples = self.engine.generate_tokens([t.prompt + t.ids for t in part], budgets, params, seed, width)
                 for trajectory, sample in zip(part, samples):
+                    trajectory.batch_sizes.append(len(part))
                     self._take_turn(trajectory, sample)
             for trajectory in active:
                 if trajectory.finish is None:

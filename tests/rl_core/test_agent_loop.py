@@ -313,7 +313,7 @@ def test_continuous_batching_assembles_the_trajectories_the_rounds_do(tmp_path, 
     assert list(continuous.non_tensors["num_turns"]) == list(rounds.non_tensors["num_turns"]) == [6, 4, 2] * 2
     for mode in (rounds, continuous):
         for info in mode.non_tensors["multi_turn"]:  # the calls' timings differ
-            info.pop("tool_wait_s")
+            info.pop("tool_wait_s"), info.pop("batch_sizes")
             info["tool_calls"] = [{**record, "latency_s": None} for record in info["tool_calls"]]
     assert list(continuous.non_tensors["multi_turn"]) == list(rounds.non_tensors["multi_turn"])
     assert sum(len(contexts) for contexts, _, _ in engine.calls) == 3 + 2 + 1 + 3 + 2 + 1
@@ -346,6 +346,9 @@ def test_with_continuous_batching_a_trajectory_waiting_on_its_tool_holds_no_one(
         # generation waited about the slow call's second, once: not the quick calls' time, not the slow one per row
         waited = multi_turn_metrics(list(out.non_tensors["num_turns"]), list(out.non_tensors["multi_turn"]))
         assert 0.9 <= waited["timing_s/tools"] < 1.5, batching
+        # each turn counts the size of the call that sampled it
+        sizes = [len(batch) for batch in batches[batching]]
+        assert waited["multi_turn/batch_size/mean"] == sum(size * size for size in sizes) / sum(sizes)
     assert batches["rounds"] == [[0, 1], [2], [0, 1], [2], [1, 2]]
     assert batches["continuous"][-1] == [0]
     earlier = [row for batch in batches["continuous"][:-1] for row in batch]

@@ -56,6 +56,21 @@ def test_the_calculator_answers_a_bad_call_with_an_error_message(arguments, mess
     assert text.startswith("error: ") and message in text
 
 
+@pytest.mark.parametrize("latency_s, low, high", [(0.05, 0.05, 0.05), ([0.02, 0.12], 0.02, 0.12)])
+def test_the_calculator_answers_after_its_latency(latency_s, low, high):
+    """``latency_s`` (a remote service's answer time) delays each call that long, or by a time drawn from [low, high]
+    for each call: never sooner, and drawn anew (eight draws of a 0.1 s range are not all alike)."""
+    tool = builtin_tool("calculator", {"latency_s": latency_s})
+    seconds = []
+    for _ in range(8):
+        started = time.monotonic()
+        assert call_tool(tool, {"expression": "6*7"}).text == "42"
+        seconds.append(time.monotonic() - started)
+    assert min(seconds) >= low
+    if high > low:
+        assert max(seconds) - min(seconds) > 0.01
+
+
 def test_a_tool_that_raises_is_an_error_message_not_an_exception():
     class Broken(BaseTool):
         async def execute(self, instance_id, parameters, **kwargs):

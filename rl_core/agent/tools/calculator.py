@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import operator
+import random
 from typing import Any
 
 from rl_core.agent.tools.base import BaseTool, ToolError, ToolResponse
@@ -74,13 +75,16 @@ def show(number: int | float) -> str:
 
 class CalculatorTool(BaseTool):
     """Config: ``max_length``, ``max_exponent``, ``max_result`` (see :func:`evaluate`), and ``latency_s``: the answer
-    comes that many seconds later, as from a remote service (what bench/async_rl.py's tool workload uses)."""
+    comes that many seconds later, as from a remote service, or after a time drawn uniformly from ``[low, high]`` for
+    each call, as from one whose answers take varying times (what bench/async_rl.py's tool workload uses)."""
 
     async def execute(
         self, instance_id: str, parameters: dict[str, Any], **kwargs: Any
     ) -> tuple[ToolResponse, float, dict[str, Any]]:
-        if self.config.get("latency_s"):
-            await asyncio.sleep(float(self.config["latency_s"]))
+        latency = self.config.get("latency_s")
+        if latency:
+            low, high = (latency, latency) if isinstance(latency, (int, float)) else latency
+            await asyncio.sleep(random.uniform(float(low), float(high)))
         expression = parameters.get("expression")
         if not isinstance(expression, str):
             raise ToolError("calculator takes {'expression': '<arithmetic>'}")
