@@ -140,12 +140,9 @@ class EndpointAgents:
         not an endpoint agent or a loop of one's own are run by it: ``await driver(trajectory, server)``."""
         self.prompt_length = width
         sessions = [
-            _Session(trajectory, row, loop=self.loops.get(name))
+            _Session(trajectory, row, loop=self.loops.get(name), driver=None if trajectory.by_endpoint else driver)
             for trajectory, row, name in zip(trajectories, rows, agent_names)
         ]
-        for session in sessions:
-            if not session.trajectory.by_endpoint:
-                session.driver = driver
         api_key = secrets.token_urlsafe(24)
         by_endpoint = any(session.loop is None and session.driver is None for session in sessions)
         server = (

@@ -76,6 +76,7 @@ from rl_core.rollout.base import (
 )
 
 SINGLE_TURN = "single_turn_agent"
+STUCK_MARGIN_S = 30  # past the calls' own timeouts: only a tools' loop that is itself stuck makes the rollout wait this
 FINISH_REASONS = ("stop", "interaction", "length", "max_turns", "parse_error", "agent_error", "agent_timeout")
 
 
@@ -256,16 +257,20 @@ class MultiTurnRollout:
     async def _tool_loop(self, trajectory: Trajectory, server: TokenServer) -> None:
         """One trajectory of the built-in loop on its own (continuous batching): a turn, its calls' answers once they
         are all in (no other trajectory waits for them), the next turn."""
-        settings = self.settings
         while trajectory.finish is None:
             budget = {"max_tokens": self.response_length - len(trajectory.ids)}
             output = await server.generate("", prompt_ids=trajectory.prompt + trajectory.ids, sampling_params=budget)
             self._take_turn(trajectory, TokenSample(output.token_ids, output.log_probs, output.finish_reason))
             if trajectory.finish is None:
-                answers = [future for _, future in trajectory.pending] + [trajectory.reply] * bool(trajectory.reply)
-                # bounded as _append_answers bounds them (a tools' loop that is itself stuck)
-                await asyncio.wait([asyncio.wrap_future(f) for f in answers], timeout=2 * settings.tool_timeout_s + 30)
+                answers = [future for _, future in trajectory.pending]
+                answers += [trajectory.reply] if trajectory.reply is not None else []
+                await asyncio.wait([asyncio.wrap_future(f) for f in answers], timeout=self._stuck_after(calls=2))
                 self._append_answers(trajectory)
+
+    def _stuck_after(self, calls: int) -> float:
+        """How long to wait for ``calls`` answers of the tools' loop (an interaction's reply counts two: it may call
+        tools itself), each bounded by ``tool_timeout_s``, before taking the loop itself as stuck."""
+        return calls * float(self.settings.tool_timeout_s) + STUCK_MARGIN_S
 
     # ------------------------------------------------------------------ one turn
     def _take_turn(self, trajectory: Trajectory, sample: TokenSample) -> None:
@@ -314,7 +319,7 @@ class MultiTurnRollout:
         for call, future in trajectory.pending:
             waiting = time.perf_counter()
             try:
-                result = future.result(timeout=float(self.settings.tool_timeout_s) + 30)
+                result = future.result(timeout=self._stuck_after(calls=1))
             except concurrent.futures.TimeoutError:  # the tools' loop itself is stuck (a tool blocking in async code)
                 result = CallResult(f"error: {call.name} did not answer", "timeout", float("nan"))
             trajectory.tool_wait_s += time.perf_counter() - waiting
@@ -338,7 +343,7 @@ class MultiTurnRollout:
 
     def _append_reply(self, trajectory: Trajectory) -> None:
         try:
-            done, text, score, problem = trajectory.reply.result(timeout=2 * float(self.settings.tool_timeout_s) + 30)
+            done, text, score, problem = trajectory.reply.result(timeout=self._stuck_after(calls=2))
         except concurrent.futures.TimeoutError:  # the loop itself is stuck
             done, text, score, problem = True, "", 0.0, "the interaction did not answer"
         trajectory.reply = None
@@ -385,7 +390,7 @@ class MultiTurnRollout:
         for trajectory, future in finishing:
             try:
                 trajectory.reward_scores, problems = future.result(
-                    timeout=2 * float(self.settings.tool_timeout_s) * (len(trajectory.session.created) + 1) + 30
+                    timeout=self._stuck_after(calls=2 * (len(trajectory.session.created) + 1))
                 )
                 trajectory.tool_problems += problems
             except concurrent.futures.TimeoutError:  # the tools' loop itself is stuck

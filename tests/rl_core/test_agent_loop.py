@@ -100,6 +100,15 @@ def prompt_keys(batch):
     return [tuple(ids[row][mask[row]].tolist()) for row in range(len(batch))]
 
 
+def batch_rows(prompts, engine):
+    """Which prompt rows each of the engine's generate calls sampled, per call."""
+    keys = prompt_keys(prompts)
+    return [
+        sorted(next(row for row, key in enumerate(keys) if tuple(c[: len(key)]) == key) for c in contexts)
+        for contexts, _, _ in engine.calls
+    ]
+
+
 def run(tokenizer, prompts, script, tools, batching="rounds", **multi_turn):
     engine = ScriptedEngine(dict(zip(prompt_keys(prompts), script)), [tokenizer.eos_token_id])
     rollout = MultiTurnRollout(engine, tokenizer, rollout_config(batching, **multi_turn), tools)
@@ -333,15 +342,10 @@ def test_with_continuous_batching_a_trajectory_waiting_on_its_tool_holds_no_one(
         [quick, quick, turn(tokenizer, "ok")],
         [quick, quick, turn(tokenizer, "ok")],
     ]
-    keys = prompt_keys(prompts)
-
-    def rows_of(contexts):
-        return sorted(next(row for row, key in enumerate(keys) if tuple(c[: len(key)]) == key) for c in contexts)
-
     batches = {}
     for batching in ("rounds", "continuous"):
         out, engine = run(tokenizer, prompts, script, tools, batching=batching, max_concurrent_tools=4)
-        batches[batching] = [rows_of(contexts) for contexts, _, _ in engine.calls]
+        batches[batching] = batch_rows(prompts, engine)
         assert [info["finish_reason"] for info in out.non_tensors["multi_turn"]] == ["stop"] * 3
         # generation waited about the slow call's second, once: not the quick calls' time, not the slow one per row
         waited = multi_turn_metrics(list(out.non_tensors["num_turns"]), list(out.non_tensors["multi_turn"]))

@@ -27,6 +27,7 @@ from tests.rl_core.helpers import addition_dataset, response_logits
 from tests.rl_core.test_agent_loop import (
     CALC_TOOLS,
     ScriptedEngine,
+    batch_rows,
     prompt_keys,
     prompts_of,
     run,
@@ -154,16 +155,12 @@ def test_with_continuous_batching_a_slow_agent_holds_no_one(tmp_path, tokenizer)
     wait for it (one batch of all three); continuously they are answered meanwhile and its own comes last, alone."""
     prompts = prompts_of(tmp_path, tokenizer, 3)
     script = [[turn(tokenizer, "12"), turn(tokenizer, "34")]] * 3
-    keys = prompt_keys(prompts)
     for batching in ("rounds", "continuous"):
         config = OmegaConf.merge(
             endpoint_config(f"{AGENTS}:sleepy_agent", batching=batching), {"generation_batch_size": 4}
         )
         out, engine = run_endpoint(tokenizer, prompts, script, config)
-        batches = [
-            sorted(next(row for row, key in enumerate(keys) if tuple(c[: len(key)]) == key) for c in contexts)
-            for contexts, _, _ in engine.calls
-        ]
+        batches = batch_rows(prompts, engine)
         assert [info["final_answer"] for info in out.non_tensors["multi_turn"]] == ["34"] * 3
         waited = multi_turn_metrics(list(out.non_tensors["num_turns"]), list(out.non_tensors["multi_turn"]))
         assert 0.9 <= waited["timing_s/tools"] < 1.5, batching  # generation waited for the slow agent's second once
