@@ -216,7 +216,7 @@ def test_with_no_room_left_the_rebuild_waits_for_a_node(cluster, run_overrides, 
 def test_when_no_room_comes_back_the_run_fails_in_one_line_leaving_nothing(cluster, run_overrides, tmp_path):
     steps = 20
     overrides = two_ranks(
-        run_overrides, tmp_path, 2, "trainer.capacity_wait_s=3", "trainer.worker_timeout_s=20", steps=steps
+        run_overrides, tmp_path, 2, "trainer.capacity_wait_s=3", "trainer.worker_timeout_s=40", steps=steps
     )
     status, _, output, _, _, _ = run_losing_nodes(cluster, overrides, tmp_path / "mlflow.db", steps, spare=True)
     assert status != 0
