@@ -52,6 +52,7 @@ from flows.workers import (
     has_separate_rollout,
     reattach_workers,
     step_workers,
+    weight_transport,
     weights_at,
     workers_namespace,
 )
@@ -257,6 +258,7 @@ class TrainingSession:
                 GenerationWindow.from_config(self.config.async_training),
                 generation_on(self.config, self.inputs.reward_manager),
                 track=BackgroundRun,
+                rendezvous=weight_transport(self.config).rendezvous,
             )
 
     def _drop_rollout_groups(self) -> None:

@@ -18,10 +18,10 @@ import ray
 from omegaconf import DictConfig
 
 from infra.resource_pool import ResourcePool, remove_placement_groups, smallest_node_cpus
-from infra.weight_transport import ObjectStoreTransport
+from infra.weight_transport import CollectiveTransport, ObjectStoreTransport
 from infra.worker_group import WorkerGroup, placement_group_prefix
 from rl_core.config import use_critic, use_reference
-from rl_core.device import resolve_device
+from rl_core.device import DeviceError, resolve_device
 from rl_core.ppo_step import StepWorkers
 from rl_core.step_checkpoint import run_checkpoints
 from rl_core.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
@@ -53,16 +53,30 @@ def has_separate_rollout(config: DictConfig) -> bool:
     return config.rollout.n_gpus_per_node > 0
 
 
+def weight_transport(config: DictConfig) -> ObjectStoreTransport | CollectiveTransport:
+    """How the actor's weights reach a rollout of its own (``actor_rollout_ref.rollout.checkpoint_engine``)."""
+    engine = config.actor_rollout_ref.rollout.checkpoint_engine
+    bucket_bytes = engine.update_weights_bucket_megabytes * 2**20
+    if engine.backend == "naive":
+        return ObjectStoreTransport(bucket_bytes)
+    if engine.backend == "nccl" and worker_device(config) != "cuda":
+        raise DeviceError(
+            "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl needs GPUs and the workers run on the CPU (no "
+            "GPU in the cluster); use gloo"
+        )
+    return CollectiveTransport(engine.backend, bucket_bytes, config.trainer.worker_timeout_s)
+
+
 def role_specs(config: DictConfig, evaluation: bool = False) -> dict:
     """Roles of the run's workers; an ``evaluation`` needs only the policy (and the reward model). With a rollout of
-    its own the actor exports its weights through Ray's object store (the trainer's workers keep their rollout role:
-    validation generates there)."""
+    its own the actor exports its weights through the configured transport (:func:`weight_transport`; the trainer's
+    workers keep their rollout role: validation generates there)."""
     # with a rollout of its own the reference policy runs there, right after generation, off the trainer's path
     with_ref = use_reference(config) and not evaluation and not has_separate_rollout(config)
     policy_role = "actor_rollout_ref" if with_ref else "actor_rollout"
     on_device = {"device": worker_device(config)}
     policy_options = on_device | (
-        {"weight_transport": ObjectStoreTransport()} if has_separate_rollout(config) and not evaluation else {}
+        {"weight_transport": weight_transport(config)} if has_separate_rollout(config) and not evaluation else {}
     )
     specs = {"actor_rollout_ref": (ActorRolloutRefWorker, (config.actor_rollout_ref, policy_role), policy_options)}
     if use_critic(config) and not evaluation:
@@ -93,11 +107,11 @@ def resource_pool(config: DictConfig, section: str = "trainer") -> ResourcePool:
 def build_rollout_workers(config: DictConfig, namespace: str) -> list[WorkerGroup]:
     """The rollout's own workers, one group of one worker per replica of the policy (``rollout.nnodes x
     rollout.n_gpus_per_node``; role ``rollout``, and ``ref`` when the run has a reference policy: its log-probs are
-    computed there after generation; weights from the actor through Ray's object store), built side by side with
+    computed there after generation; weights from the actor through :func:`weight_transport`), built side by side with
     their models loaded; whatever an earlier run of the namespace left ends first."""
     kill_rollout_workers(namespace)
     pool = resource_pool(config, "rollout")
-    options = {"device": worker_device(config), "weight_transport": ObjectStoreTransport()}
+    options = {"device": worker_device(config), "weight_transport": weight_transport(config)}
     role = "rollout_ref" if use_reference(config) else "rollout"
     specs = {"actor_rollout_ref": (ActorRolloutRefWorker, (config.actor_rollout_ref, role), options)}
     timeout = config.trainer.worker_timeout_s

@@ -235,6 +235,18 @@ class AgentConfig:
 
 
 @dataclass
+class CheckpointEngineConfig:
+    """verl's ``rollout.checkpoint_engine``: how the actor's weights reach a rollout on workers of its own
+    (infra/weight_transport.py)."""
+
+    # naive: through Ray's object store, any worker fetches them when it next generates (the actor never waits) |
+    # gloo (CPUs) / nccl (GPUs): broadcast to each rollout worker over a torch.distributed channel of its own, the
+    # worker receiving at the same time (verl's nccl engine)
+    backend: str = "naive"
+    update_weights_bucket_megabytes: int = 2048  # the weights move in buckets of at most this size
+
+
+@dataclass
 class RolloutConfig:
     name: str = "hf"  # hf (CPU or GPU) | vllm (GPU: `pip install 'ppoflow[gpu]'`; CPU: vLLM's CPU build, README)
     n: int = 1  # responses per prompt (GRPO, RLOO, ... need several)
@@ -269,6 +281,7 @@ class RolloutConfig:
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
+    checkpoint_engine: CheckpointEngineConfig = field(default_factory=CheckpointEngineConfig)
 
 
 @dataclass

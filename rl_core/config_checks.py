@@ -30,6 +30,7 @@ CHOICES = {
     "actor_rollout_ref.rollout.multi_turn.on_parse_error": ("feedback", "stop"),
     "async_training.mode": SCHEDULES,
     "actor_rollout_ref.rollout.agent.batching": AGENT_BATCHING,
+    "actor_rollout_ref.rollout.checkpoint_engine.backend": ("naive", "gloo", "nccl"),
 }
 POSITIVE = (
     "actor_rollout_ref.rollout.multi_turn.max_parallel_calls",
@@ -51,6 +52,7 @@ POSITIVE = (
     "actor_rollout_ref.rollout.val_kwargs.n",
     "actor_rollout_ref.rollout.tensor_model_parallel_size",
     "actor_rollout_ref.rollout.max_num_seqs",
+    "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes",
     "critic.ppo_micro_batch_size_per_gpu",
     "critic.forward_micro_batch_size_per_gpu",
     "reward_model.micro_batch_size_per_gpu",
@@ -205,6 +207,17 @@ def check_rollout(config: Any) -> None:
         raise ConfigValueError(
             f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}: tensor parallelism needs rollout.name=vllm "
             f"and a divisor of trainer.n_gpus_per_node={config.trainer.n_gpus_per_node}"
+        )
+    backend = rollout.checkpoint_engine.backend
+    if backend != "naive" and config.rollout.n_gpus_per_node == 0:
+        raise ConfigValueError(
+            f"actor_rollout_ref.rollout.checkpoint_engine.backend={backend}: moves weights to a rollout on workers of "
+            "its own, and this run's rollout shares the actor's (rollout.n_gpus_per_node=0); set "
+            "rollout.n_gpus_per_node, or leave the backend naive"
+        )
+    if backend == "nccl" and config.trainer.device == "cpu":
+        raise ConfigValueError(
+            "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl needs GPUs (trainer.device=cpu): use gloo"
         )
     if not config.actor_rollout_ref.hybrid_engine:
         raise ConfigValueError(

@@ -16,6 +16,11 @@ Step k+j's prompts are read from a copy of the sampler, so a checkpoint after st
 a resumed run draws step k+1's prompts again and generates them anew (the generations in flight are lost; no prompt is
 skipped or trained twice).
 
+With a rendezvous transport (``checkpoint_engine.backend`` gloo / nccl: a broadcast over a channel of the actor and
+each rollout worker, opened as the workers start) the actor sends while the worker receives: a worker that is behind
+takes its weights after the generations it has queued, and the trainer waits for that before it goes on (verl's
+collective sync waits for the rollout's generations in flight the same way); with Ray's object store it never waits.
+
 Every response carries the version of the weights that produced it (``rollout_version``); ``training/staleness_*``
 is the actor's version at the update minus it (at most the window minus one). Correct for it with
 ``algorithm.rollout_correction``. The step's ``timing_s/gen`` is how long the trainer waited for its samples,
@@ -30,6 +35,7 @@ import copy
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +45,8 @@ from rl_core.batch import Batch
 from rl_core.batch_fields import ROLLOUT_VERSION, UID
 from rl_core.rollout_schedule import GenerationWindow
 from rl_core.weight_sync import WeightsUpdate
+
+RECEIVER_FAILURE_WAIT_S = 10.0  # a failed send: how long to wait for the receiver's own error (a death shows in ms)
 
 
 @dataclass
@@ -79,14 +87,23 @@ class SeparateRollout:
         window: GenerationWindow,
         generate: Callable[[Any, Batch], Batch],
         track: Callable[[str], Any] | None = None,
+        rendezvous: bool = False,
     ):
         """``track(name)``, when given, is called as a generation is launched and returns an object whose
-        ``done(error, dropped)`` is called when its result is taken or dropped: the flow reports it as a task run."""
+        ``done(error, dropped)`` is called when its result is taken or dropped: the flow reports it as a task run.
+        ``rendezvous``: the workers' weight transport is one (the channels are connected here)."""
         self.actor, self.window, self.generate, self.track = actor, window, generate, track
+        self.rendezvous = rendezvous
         self.workers = [
             RolloutWorker(role, ThreadPoolExecutor(1, thread_name_prefix=f"ppoflow-rollout{i}"), role.weights_version())
             for i, role in enumerate(rollouts)
         ]
+        if rendezvous:
+            for index, worker in enumerate(self.workers):
+                address = actor.open_weight_channel(index)
+                joined = worker.thread.submit(worker.role.connect_weight_channel, address)
+                actor.connect_weight_channel(address, index)
+                joined.result()
         self.pending: dict[tuple[str, ...], Pending] = {}  # by the prompts' uids
         self.launched_through = 0  # the last step whose generation was launched
         self.launches = 0
@@ -113,15 +130,35 @@ class SeparateRollout:
         worker.last_launch = self.launches
         version = self.actor_version
         update = None
-        if version > worker.version:
+        if version > worker.version and self.rendezvous:
+            self._send_now(worker, version)
+        elif version > worker.version:
             if self.exported is None or self.exported.version != version:
                 self.exported = self.actor.export_weights()
-            update, worker.version = self.exported, version
+            update = self.exported
+        worker.version = version
         tracker = self.track(f"rollout-{step}/generate (policy v{version})") if self.track else None
         future = worker.thread.submit(self._receive_and_generate, worker.role, update, prompts)
         worker.untaken += 1
         self.pending[tuple(prompts.non_tensors[UID])] = Pending(worker, version, future, tracker)
         self.launched_through = max(self.launched_through, step)
+
+    def _send_now(self, worker: RolloutWorker, version: int) -> None:
+        """A rendezvous transport: the worker receives (in its thread, after the generations it has queued) while the
+        actor sends; back when both are done. A send that fails because the worker died raises the worker's death
+        (the flow then rebuilds the rollout alone)."""
+        received = worker.thread.submit(worker.role.receive_weights, WeightsUpdate(version, None))
+        try:
+            self.actor.export_weights(to=self.workers.index(worker))
+        except BaseException as error:
+            try:
+                received.result(timeout=RECEIVER_FAILURE_WAIT_S)
+            except FutureTimeout:
+                pass
+            except BaseException as cause:  # the receiver's own failure says why the channel broke
+                raise cause from error
+            raise
+        received.result()
 
     def _receive_and_generate(self, role: Any, update: WeightsUpdate | None, prompts: Batch) -> tuple[Batch, float]:
         """In the worker's thread: take the weights, generate; with the seconds it took (the worker busy)."""

@@ -371,9 +371,25 @@ class ActorRolloutRefWorker:
         return self.steps_trained if self.is_actor else self.loaded_version
 
     @dispatch(ONE_TO_ALL)
-    def export_weights(self) -> WeightsUpdate | None:
-        """The trained tensors through the weight transport, with the version (every rank gathers a sharded model,
-        rank 0 sends: :mod:`rl_core.weight_sync`)."""
+    def open_weight_channel(self, replica: int) -> Any:
+        """A rendezvous transport's channel to rollout worker ``replica``, opened by rank 0: its address, for both
+        sides' :meth:`connect_weight_channel` (``infra.weight_transport.CollectiveTransport``)."""
+        self._require(self.is_actor, "open_weight_channel", "actor")
+        return self.weight_transport.open(replica) if is_rank_zero() else None
+
+    @dispatch(ONE_TO_ALL)
+    def connect_weight_channel(self, address: Any, replica: int | None = None) -> None:
+        """Join the channel at ``address``: the actor's rank 0 its side for rollout worker ``replica``, a rollout
+        worker its own (``replica`` left out); waits until the other side joins too."""
+        if self.is_actor and is_rank_zero():
+            self.weight_transport.connect(address, replica)
+        elif not self.is_actor:
+            self.weight_transport.connect(address)
+
+    @dispatch(ONE_TO_ALL)
+    def export_weights(self, to: int | None = None) -> WeightsUpdate | None:
+        """The trained tensors through the weight transport (to rollout worker ``to`` when it addresses one), with the
+        version (every rank gathers a sharded model, rank 0 sends: :mod:`rl_core.weight_sync`)."""
         self._require(self.is_actor, "export_weights", "actor")
         names = [name for name, _ in trained_tensors(self.module)]
         if world_size() > 1:
@@ -381,7 +397,7 @@ class ActorRolloutRefWorker:
             tensors = ((name, state[name]) for name in names)
         else:
             tensors = trained_tensors(self.module)
-        return WeightsUpdate(self.steps_trained, self.weight_transport.send(tensors)) if is_rank_zero() else None
+        return WeightsUpdate(self.steps_trained, self.weight_transport.send(tensors, to)) if is_rank_zero() else None
 
     @dispatch(ONE_TO_ALL)
     def receive_weights(self, update: WeightsUpdate) -> int:

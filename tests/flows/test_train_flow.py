@@ -431,8 +431,9 @@ def test_multi_turn_rollouts_with_a_tool_train_and_resume_in_the_flow(run_overri
 
 
 def test_one_step_off_on_two_rollout_workers_survives_the_death_of_one(run_overrides, monkeypatch):
-    """The rollout on two workers of its own, one step off: each step after the first trains on samples one version
-    old (training/staleness_max); the worker that step 3's generation is launched on is
+    """The rollout on two workers of its own, one step off, the weights broadcast over gloo channels
+    (checkpoint_engine.backend=gloo; Ray's object store is the multi-node tests'): each step after the first trains on
+    samples one version old (training/staleness_max); the worker that step 3's generation is launched on is
     killed as it is, and the rollout's workers are rebuilt alone (the trainer's workers go on: the same processes)
     and step 3 runs again, its samples generated then (staleness 0); the run finishes with every step once; no worker
     of either group is left."""
@@ -442,6 +443,7 @@ def test_one_step_off_on_two_rollout_workers_survives_the_death_of_one(run_overr
         "trainer.test_freq=-1",
         "rollout.n_gpus_per_node=2",
         "async_training.mode=one_step_off",
+        "actor_rollout_ref.rollout.checkpoint_engine.backend=gloo",
         "actor_rollout_ref.rollout.calculate_log_probs=true",
         "algorithm.rollout_correction.rollout_is=token",
     )

@@ -67,6 +67,22 @@ def test_each_step_generates_from_the_last_sync_point_whose_batches_reach_it(ste
             ["rollout.n_gpus_per_node=1", "async_training.mode=one_step_off", "algorithm.filter_groups.enable=true"],
             "dynamic sampling generates until enough groups differ",
         ),
+        (
+            ["actor_rollout_ref.rollout.checkpoint_engine.backend=gloo"],
+            "this run's rollout shares the actor's (rollout.n_gpus_per_node=0); set rollout.n_gpus_per_node",
+        ),
+        (
+            [
+                "rollout.n_gpus_per_node=1",
+                "trainer.device=cpu",
+                "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl",
+            ],
+            "backend=nccl needs GPUs (trainer.device=cpu): use gloo",
+        ),
+        (
+            ["rollout.n_gpus_per_node=1", "actor_rollout_ref.rollout.checkpoint_engine.backend=mpi"],
+            "checkpoint_engine.backend='mpi': choose one of gloo, naive, nccl",
+        ),
     ],
 )
 def test_schedules_that_cannot_run_are_refused_naming_the_fix(overrides, message):

@@ -2,13 +2,16 @@
 (sync, one step off, fully asynchronous with one or two rollout workers): each step's samples as many versions
 behind as the window says, every prompt trained once, in order, across a resume too."""
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
+from infra.weight_transport import CollectiveTransport
 from rl_core.ppo_step import StepWorkers, generation_on, run_ppo_step
 from rl_core.rollout_schedule import GenerationWindow
 from rl_core.separate_rollout import SeparateRollout
-from rl_core.weight_sync import sync_rollout_weights
+from rl_core.weight_sync import WeightsUpdate, sync_rollout_weights, trained_tensors
 from rl_core.workers import ActorRolloutRefWorker
 from tests.rl_core.test_workers import build_workers, fixed_batch, step_inputs
 
@@ -39,28 +42,34 @@ SCHEDULE_METRICS = ("timing_s/", "perf/", "training/staleness", "fully_async/") 
 
 
 @pytest.mark.parametrize(
-    "window,rollouts,staleness",
+    "window,rollouts,staleness,transport",
     [
-        (SYNC, 1, [0, 0, 0, 0]),
-        (ONE_STEP_OFF, 1, [0, 1, 1, 1]),
+        (SYNC, 1, [0, 0, 0, 0], "in-process"),
+        (ONE_STEP_OFF, 1, [0, 1, 1, 1], "in-process"),
+        (ONE_STEP_OFF, 1, [0, 1, 1, 1], "gloo"),  # the weights broadcast over a channel while the worker receives
         # fully_async, staleness_threshold=2: steps 1-3 generate from v0, then each step launches the one 2 ahead
-        (GenerationWindow(3, 1), 2, [0, 1, 2, 2]),
+        (GenerationWindow(3, 1), 2, [0, 1, 2, 2], "in-process"),
+        (GenerationWindow(3, 1), 2, [0, 1, 2, 2], "gloo"),
         # fully_async, trigger_parameter_sync_step=2, staleness_threshold=0: weights synced at steps 1 and 3 only
-        (GenerationWindow(2, 2), 2, [0, 1, 0, 1]),
+        (GenerationWindow(2, 2), 2, [0, 1, 0, 1], "in-process"),
     ],
 )
-def test_a_separate_rollout_trains_every_prompt_once_in_order(tmp_path, config, window, rollouts, staleness):
+def test_a_separate_rollout_trains_every_prompt_once_in_order(tmp_path, config, window, rollouts, staleness, transport):
     config.trainer.total_training_steps = 4
     actor, _ = build_workers(config, with_critic=False)
     data, sampler, reward, kl = step_inputs(tmp_path, actor, config, count=16)
     roles = [rollout_worker(config) for _ in range(rollouts)]
-    generate, generated_on = generation_on(config, reward), []
+    if transport == "gloo":
+        for role in (actor, *roles):
+            role.weight_transport = CollectiveTransport("gloo", 2**20, 60)
+    generate, generated_on, held = generation_on(config, reward), [], []
 
     def generate_and_record(role, prompts):
         generated_on.append(roles.index(role))
+        held.append(role.weights_version())  # the version whose weights the worker has as it generates
         return generate(role, prompts)
 
-    separate = SeparateRollout(actor, roles, window, generate_and_record)
+    separate = SeparateRollout(actor, roles, window, generate_and_record, rendezvous=transport == "gloo")
     workers = StepWorkers(actor, separate_rollout=separate)
     expected_order = [sampler.next_batch() for _ in range(4)]
     sampler.load_state_dict(type(sampler)(len(data), config.data.train_batch_size, shuffle=False).state_dict())
@@ -80,6 +89,16 @@ def test_a_separate_rollout_trains_every_prompt_once_in_order(tmp_path, config, 
         separate.close()
     assert separate.pending == {}  # the last step launched nothing
     assert sorted(generated_on) == sorted(i % rollouts for i in range(4))  # the workers took turns
+    assert sorted(held) == sorted(step - 1 - behind for step, behind in zip((1, 2, 3, 4), staleness))
+    if transport == "gloo":  # each channel still moves the actor's exact weights
+        for index, role in enumerate(roles):
+            with ThreadPoolExecutor(1) as other:
+                received = other.submit(role.receive_weights, WeightsUpdate(actor.weights_version(), None))
+                actor.export_weights(to=index)
+                assert received.result(timeout=60) == len(list(trained_tensors(actor.module)))
+            trained = dict(actor.module.named_parameters())
+            for name, parameter in role.module.named_parameters():
+                assert torch.equal(parameter, trained[name]), name
 
 
 @pytest.mark.parametrize("window,rollouts", [(ONE_STEP_OFF, 1), (GenerationWindow(3, 1), 2)])
