@@ -162,6 +162,16 @@ def launch_generations(
         rollout.launch(later_prompts, later)
 
 
+def take_generation(
+    rollout: Any, config: Any, data: RLDataset, sampler: ResumableSampler, prompts: Batch, step: int, launch: bool
+) -> tuple[Batch, Metrics]:
+    """Stage 1 on a rollout of its own: with ``launch`` (the step's first batch) what the window lets start now (a
+    rendezvous weight transport's sync included: the trainer waits for it), then this batch's generation."""
+    if launch:
+        launch_generations(rollout, config, data, sampler, prompts, step)
+    return rollout.take(prompts, step)
+
+
 def reward(workers: StepWorkers, reward_manager: RewardManager, batch: Batch) -> tuple[Batch, Metrics]:
     """Stage 2: ``token_level_scores`` (the score on each response's last token) and the scorer's per-sample
     extra values; the reward model's ``rm_scores`` when there is one."""
@@ -306,9 +316,10 @@ def run_ppo_step(
         if workers.separate_rollout is None:
             batch = stage("generate", generate, workers, prompts, n, baseline_reward)
         else:  # on the rollout's own workers: launch what the window lets start (this step's, later steps'), take
-            if generation_batches == 1:
-                launch_generations(workers.separate_rollout, config, data, sampler, prompts, step)
-            batch = stage("generate", workers.separate_rollout.take, prompts, step)
+            first = generation_batches == 1
+            batch = stage(
+                "generate", take_generation, workers.separate_rollout, config, data, sampler, prompts, step, first
+            )
         batch.union(stage("reward", reward, workers, reward_manager, batch))
         if not filter_groups.enable:
             kept = [batch]
