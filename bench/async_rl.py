@@ -2,7 +2,7 @@
 number of samples, runs alternated in one sitting.
 
     python bench/async_rl.py [--workload demo|tool|both] [--steps 100] [--repeats 3] [--modes one_step_off ...]
-                             [--batching default rounds continuous] [--weights naive gloo]
+                             [--batching default rounds continuous] [--weights naive gloo gloo-partial]
 
 Each run is ``ppoflow train`` on the embedded demo (``demo``: addition, a 64-wide model) or the tool demo (``tool``:
 multiplication through the calculator, its answers delayed by ``--tool-latency`` seconds like a remote service, or by
@@ -22,8 +22,10 @@ r in every mode (the accuracy after a few steps is the seed's as much as the mod
 ``--batching`` runs each mode once per value of ``actor_rollout_ref.rollout.agent.batching`` (the tool workload's
 trajectories in rounds, or continuously: each on its own); ``default`` leaves the mode's own (rounds when synchronous,
 continuous otherwise). A mode run with a batching other than ``default`` is labelled ``mode:batching``.
-``--weights`` runs each asynchronous mode once per ``actor_rollout_ref.rollout.checkpoint_engine.backend`` (``naive``:
-Ray's object store; ``gloo``: a broadcast channel per rollout worker), labelled ``mode+gloo`` for the latter.
+``--weights`` runs each asynchronous mode once per way the weights reach the rollout: ``naive`` (Ray's object store),
+``gloo`` (``actor_rollout_ref.rollout.checkpoint_engine.backend=gloo``: a broadcast channel per rollout worker, labelled
+``mode+gloo``), ``gloo-partial`` (that and ``async_training.partial_rollout=true``: a generation in flight takes the
+new weights between two tokens; the fully_async modes only).
 
 On a GPU machine the same command runs each pool on its own GPU (``trainer.n_gpus_per_node=1`` stays; the rollout takes
 another). Prints a table per workload (medians over the repeats) and, last, one JSON line.
@@ -61,6 +63,13 @@ MODES = {
         "async_training.staleness_threshold=2",
         *RECIPE,
     ],
+}
+
+
+WEIGHTS = {
+    "naive": [],
+    "gloo": ["actor_rollout_ref.rollout.checkpoint_engine.backend=gloo"],
+    "gloo-partial": ["actor_rollout_ref.rollout.checkpoint_engine.backend=gloo", "async_training.partial_rollout=true"],
 }
 
 
@@ -107,7 +116,7 @@ def main() -> None:
     parser.add_argument("--tool-latency", type=float, default=0.1, help="seconds per calculator call (tool workload)")
     parser.add_argument("--tool-latency-max", type=float, help="each call's seconds drawn from [--tool-latency, this]")
     parser.add_argument("--batching", nargs="+", choices=["default", "rounds", "continuous"], default=["default"])
-    parser.add_argument("--weights", nargs="+", choices=["naive", "gloo"], default=["naive"])
+    parser.add_argument("--weights", nargs="+", choices=list(WEIGHTS), default=["naive"])
     args = parser.parse_args()
     from flows.config import compose_config
 
@@ -117,11 +126,12 @@ def main() -> None:
             mode
         ]
         + ([] if batching == "default" else [f"actor_rollout_ref.rollout.agent.batching={batching}"])
-        + [f"actor_rollout_ref.rollout.checkpoint_engine.backend={weights}"]
+        + WEIGHTS[weights]
         for mode in MODES
         if mode == "sync" or mode in args.modes
         for batching in args.batching
         for weights in (["naive"] if mode == "sync" else args.weights)
+        if weights != "gloo-partial" or mode.startswith("fully_async")
     }
     baseline = next(iter(modes))  # sync, with the first batching asked for
     summary: dict[str, dict] = {}

@@ -259,6 +259,7 @@ class TrainingSession:
                 generation_on(self.config, self.inputs.reward_manager),
                 track=BackgroundRun,
                 rendezvous=weight_transport(self.config).rendezvous,
+                partial_rollout=bool(self.config.async_training.partial_rollout),
             )
 
     def _drop_rollout_groups(self) -> None:

@@ -111,7 +111,11 @@ def build_rollout_workers(config: DictConfig, namespace: str) -> list[WorkerGrou
     their models loaded; whatever an earlier run of the namespace left ends first."""
     kill_rollout_workers(namespace)
     pool = resource_pool(config, "rollout")
-    options = {"device": worker_device(config), "weight_transport": weight_transport(config)}
+    options = {
+        "device": worker_device(config),
+        "weight_transport": weight_transport(config),
+        "partial_rollout": bool(config.async_training.partial_rollout),
+    }
     role = "rollout_ref" if use_reference(config) else "rollout"
     specs = {"actor_rollout_ref": (ActorRolloutRefWorker, (config.actor_rollout_ref, role), options)}
     timeout = config.trainer.worker_timeout_s

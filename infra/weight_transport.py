@@ -23,6 +23,7 @@ import torch
 
 ALIGNMENT = 64  # bytes: every tensor starts at a multiple of it in its bucket (any dtype's view stays aligned)
 RECEIVER = "actor"  # the channel a rollout worker receives on (its only one)
+OFFERED = "offered"  # the channel store's key: the version being (or last) sent
 
 
 class ObjectStoreTransport:
@@ -36,8 +37,9 @@ class ObjectStoreTransport:
         self.bucket_bytes = bucket_bytes
         self.sent: list[Any] = []  # the last export's references, alive until the next one
 
-    def send(self, tensors: Iterable[tuple[str, torch.Tensor]], to: int | None = None) -> list[Any]:
-        """``to`` plays no part: every rollout worker reads the same handle."""
+    def send(self, tensors: Iterable[tuple[str, torch.Tensor]], to: int | None = None, version: int = 0) -> list[Any]:
+        """``to`` and ``version`` play no part: every rollout worker reads the same handle, whenever it next
+        generates."""
         import ray
 
         self.sent, bucket, size = [], {}, 0
@@ -72,10 +74,11 @@ def _as_array(tensor: torch.Tensor) -> Any:
 class CollectiveTransport:
     """Broadcasts over one channel per rollout worker (see the module docstring). Set-up, per channel: the actor's
     rank 0 :meth:`open`\\ s it (a rendezvous store on its node), then both sides :meth:`connect` at once (each call
-    waits for the other). A send is: the layout (each tensor's name, shape, dtype, bucket and offset) as JSON, then
-    each bucket as one flat byte tensor; the receiver yields each tensor as a view of its bucket, valid until the next
-    bucket arrives (``load_tensors`` copies it at once). A peer that dies mid-way ends the call with gloo's / NCCL's
-    error at once; a peer that never comes ends it after ``timeout_s``."""
+    waits for the other). A send is: the version offered in the channel's store (the receiver can see it coming:
+    :meth:`offered`, partial rollout polls it between tokens), the layout (the version, each tensor's name, shape,
+    dtype, bucket and offset) as JSON, then each bucket as one flat byte tensor; the receiver yields each tensor as a
+    view of its bucket, valid until the next bucket arrives (``load_tensors`` copies it at once). A peer that dies
+    mid-way ends the call with gloo's / NCCL's error at once; a peer that never comes ends it after ``timeout_s``."""
 
     rendezvous = True
 
@@ -83,8 +86,9 @@ class CollectiveTransport:
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"a collective weight transport is gloo or nccl, not {backend!r}")
         self.backend, self.bucket_bytes, self.timeout_s = backend, bucket_bytes, timeout_s
-        self.stores: dict[Any, Any] = {}  # the rendezvous stores this process hosts, by peer
+        self.stores: dict[Any, Any] = {}  # the channels' rendezvous stores, by peer (hosted by the actor's side)
         self.channels: dict[Any, Any] = {}  # the process groups, by peer (a rollout worker's only one: RECEIVER)
+        self.received_version = 0  # a rollout worker: the version of the last weights received
 
     @property
     def device(self) -> str:
@@ -108,7 +112,9 @@ class CollectiveTransport:
 
         timeout = timedelta(seconds=self.timeout_s)
         rank = 1 if peer == RECEIVER else 0
-        store = self.stores[peer] if rank == 0 else dist.TCPStore(address[0], address[1], 2, False, timeout)
+        if rank == 1:
+            self.stores[peer] = dist.TCPStore(address[0], address[1], 2, False, timeout)
+        store = self.stores[peer]
         if self.backend == "gloo":
             options = dist.ProcessGroupGloo._Options()
             options._devices = [dist.ProcessGroupGloo.create_device(hostname=_node_address())]
@@ -120,12 +126,14 @@ class CollectiveTransport:
             self.channels[peer] = dist.ProcessGroupNCCL(store, rank, 2, options)
 
     # ------------------------------------------------------------------ moving the weights
-    def send(self, tensors: Iterable[tuple[str, torch.Tensor]], to: int | None = None) -> None:
-        """Broadcast the named tensors to rollout worker ``to`` (it must be receiving: see :meth:`receive`)."""
+    def send(self, tensors: Iterable[tuple[str, torch.Tensor]], to: int | None = None, version: int = 0) -> None:
+        """Broadcast the named tensors, the weights of ``version``, to rollout worker ``to`` (it must be receiving, or
+        come to: see :meth:`receive`, :meth:`offered`)."""
         channel = self._channel(to)
+        self.stores[to].set(OFFERED, str(version))
         tensors = [(name, tensor.detach()) for name, tensor in tensors]
         buckets = bucket_layout([(name, tuple(t.shape), t.dtype) for name, t in tensors], self.bucket_bytes)
-        header = json.dumps(buckets).encode()
+        header = json.dumps({"version": version, "buckets": buckets}).encode()
         self._broadcast(channel, torch.tensor([len(header)], dtype=torch.int64))
         self._broadcast(channel, torch.frombuffer(bytearray(header), dtype=torch.uint8))
         by_name = dict(tensors)
@@ -144,7 +152,8 @@ class CollectiveTransport:
         self._broadcast(channel, length)
         header = torch.empty(int(length.item()), dtype=torch.uint8)
         self._broadcast(channel, header)
-        buckets = json.loads(header.cpu().numpy().tobytes())
+        layout = json.loads(header.cpu().numpy().tobytes())
+        buckets, self.received_version = layout["buckets"], layout["version"]
         received = 0
         try:
             for bucket in buckets:
@@ -158,6 +167,10 @@ class CollectiveTransport:
         finally:
             for bucket in buckets[received:]:
                 self._broadcast(channel, torch.empty(bucket["bytes"], dtype=torch.uint8, device=self.device))
+
+    def offered(self) -> int:
+        """A rollout worker: the version of the weights the actor sends or last sent on the channel (0 before any)."""
+        return self.stores[RECEIVER].add(OFFERED, 0)
 
     def _channel(self, peer: Any) -> Any:
         if peer not in self.channels:

@@ -19,7 +19,8 @@ RESPONSES = "responses"  # (B, R) sampled tokens, pad after the first stop token
 # tool answers and template glue are real tokens (attention 1) the policy did not sample (mask 0)
 RESPONSE_MASK = "response_mask"
 ROLLOUT_LOG_PROBS = "rollout_log_probs"  # (B, R) the sampler's own log-probs (rollout.calculate_log_probs)
-ROLLOUT_VERSION = "rollout_version"  # (B,) a separate rollout: the actor's version (updates done) that sampled
+# (B, R) a separate rollout: the actor's version (updates done) whose weights sampled each response token
+ROLLOUT_VERSION = "rollout_version"
 # reward
 RM_SCORES = "rm_scores"  # (B, R) a reward model's score on the last response token
 TOKEN_LEVEL_SCORES = "token_level_scores"  # (B, R) the score on the last response token

@@ -87,11 +87,6 @@ def check_async_training(config: Any, error: type[Exception] = ValueError) -> No
             f"{settings.trigger_parameter_sync_step} apply to async_training.mode=fully_async (mode={mode} fixes its "
             "window); set mode=fully_async or leave them at 0 and 1"
         )
-    if settings.partial_rollout:
-        raise error(
-            "async_training.partial_rollout=true is not built: a generation in flight finishes with the weights it "
-            "started with (verl's mode without partial rollout); set it to false"
-        )
     if settings.trigger_parameter_sync_step < 1 or not settings.staleness_threshold >= 0:
         raise error(
             f"async_training.trigger_parameter_sync_step={settings.trigger_parameter_sync_step}, staleness_threshold="
@@ -105,6 +100,8 @@ def check_async_training(config: Any, error: type[Exception] = ValueError) -> No
             "rollout generates whole steps, so (1 + staleness_threshold) x trigger_parameter_sync_step must be whole "
             "(e.g. staleness_threshold 0 or 1 for trigger_parameter_sync_step=1, 0 or 0.5 for 2)"
         )
+    if settings.partial_rollout:
+        check_partial_rollout(config, error)
     if pool.n_gpus_per_node == 0:
         if mode != "sync":
             raise error(
@@ -124,4 +121,29 @@ def check_async_training(config: Any, error: type[Exception] = ValueError) -> No
         raise error(
             f"async_training.mode={mode} generates steps ahead, with algorithm.filter_groups.enable=true: dynamic "
             "sampling generates until enough groups differ, which cannot be launched ahead; use mode=sync"
+        )
+
+
+def check_partial_rollout(config: Any, error: type[Exception]) -> None:
+    """``async_training.partial_rollout=true`` (rl_core/rollout/partial.py) needs a window that lets a generation be
+    in flight at a weight sync, a transport that tells the generation newer weights are coming, and the HF engine's
+    single-turn generation (where it is built)."""
+    settings, rollout = config.async_training, config.actor_rollout_ref.rollout
+    fix = "or set async_training.partial_rollout=false"
+    if settings.mode != "fully_async" or not settings.staleness_threshold > 0:
+        raise error(
+            f"async_training.partial_rollout=true with mode={settings.mode}, staleness_threshold="
+            f"{settings.staleness_threshold}: only a fully_async window with staleness_threshold > 0 has generations "
+            f"in flight at a weight sync (verl's rule); set them, {fix}"
+        )
+    if rollout.checkpoint_engine.backend == "naive":
+        raise error(
+            "async_training.partial_rollout=true needs weights the generation hears coming: set "
+            f"actor_rollout_ref.rollout.checkpoint_engine.backend=gloo (CPUs) or nccl (GPUs), {fix}"
+        )
+    agents = rollout.multi_turn.enable or rollout.agent.endpoint.function or rollout.agent.endpoint.command
+    if rollout.name != "hf" or agents or rollout.agent.agent_loop_config_path:
+        raise error(
+            "async_training.partial_rollout=true is built for single-turn generation on actor_rollout_ref.rollout.name="
+            f"hf (this run: name={rollout.name}, multi-turn or agent loops {'on' if agents else 'off'}); {fix}"
         )

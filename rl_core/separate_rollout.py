@@ -20,11 +20,15 @@ With a rendezvous transport (``checkpoint_engine.backend`` gloo / nccl: a broadc
 each rollout worker, opened as the workers start) the actor sends while the worker receives: a worker that is behind
 takes its weights after the generations it has queued, and the trainer waits for that before it goes on (verl's
 collective sync waits for the rollout's generations in flight the same way); with Ray's object store it never waits.
+With partial rollout (``async_training.partial_rollout``, a rendezvous transport) the worker's generation in flight
+takes them between two tokens instead (:mod:`rl_core.rollout.partial`): the trainer waits for one token, and the
+responses carry each token's version.
 
-Every response carries the version of the weights that produced it (``rollout_version``); ``training/staleness_*``
-is the actor's version at the update minus it (at most the window minus one). Correct for it with
-``algorithm.rollout_correction``. The step's ``timing_s/gen`` is how long the trainer waited for its samples,
-``timing_s/generate_ahead`` how long a rollout worker worked on them (taking the weights included);
+Every response token carries the version of the weights that sampled it (``rollout_version``); ``training/
+staleness_*`` is the actor's version at the update minus a sample's oldest (at most the window minus one), and with
+partial rollout ``fully_async/partial_ratio`` the share of samples whose tokens come from more than one version.
+Correct for it with ``algorithm.rollout_correction``. The step's ``timing_s/gen`` is how long the trainer waited
+for its samples, ``timing_s/generate_ahead`` how long a rollout worker worked on them (taking the weights included);
 ``fully_async/queue_depth`` the generations finished and waiting for their step, ``fully_async/in_flight`` those
 still generating, both as the step took its own.
 """
@@ -42,7 +46,7 @@ from typing import Any
 import torch
 
 from rl_core.batch import Batch
-from rl_core.batch_fields import ROLLOUT_VERSION, UID
+from rl_core.batch_fields import RESPONSE_MASK, ROLLOUT_VERSION, UID
 from rl_core.rollout_schedule import GenerationWindow
 from rl_core.weight_sync import WeightsUpdate
 
@@ -88,12 +92,14 @@ class SeparateRollout:
         generate: Callable[[Any, Batch], Batch],
         track: Callable[[str], Any] | None = None,
         rendezvous: bool = False,
+        partial_rollout: bool = False,
     ):
         """``track(name)``, when given, is called as a generation is launched and returns an object whose
         ``done(error, dropped)`` is called when its result is taken or dropped: the flow reports it as a task run.
-        ``rendezvous``: the workers' weight transport is one (the channels are connected here)."""
+        ``rendezvous``: the workers' weight transport is one (the channels are connected here); ``partial_rollout``:
+        the workers' generations take newer weights between two tokens."""
         self.actor, self.window, self.generate, self.track = actor, window, generate, track
-        self.rendezvous = rendezvous
+        self.rendezvous, self.partial_rollout = rendezvous, partial_rollout
         self.workers = [
             RolloutWorker(role, ThreadPoolExecutor(1, thread_name_prefix=f"ppoflow-rollout{i}"), role.weights_version())
             for i, role in enumerate(rollouts)
@@ -144,9 +150,10 @@ class SeparateRollout:
         self.launched_through = max(self.launched_through, step)
 
     def _send_now(self, worker: RolloutWorker, version: int) -> None:
-        """A rendezvous transport: the worker receives (in its thread, after the generations it has queued) while the
-        actor sends; back when both are done. A send that fails because the worker died raises the worker's death
-        (the flow then rebuilds the rollout alone)."""
+        """A rendezvous transport: the worker receives (in its thread, after the generations it has queued; with
+        partial rollout, its generation in flight between two tokens, the queued receive then finding them there)
+        while the actor sends; back when both are done (partial rollout: when the weights have arrived). A send that
+        fails because the worker died raises the worker's death (the flow then rebuilds the rollout alone)."""
         received = worker.thread.submit(worker.role.receive_weights, WeightsUpdate(version, None))
         try:
             self.actor.export_weights(to=self.workers.index(worker))
@@ -158,7 +165,8 @@ class SeparateRollout:
             except BaseException as cause:  # the receiver's own failure says why the channel broke
                 raise cause from error
             raise
-        received.result()
+        if not self.partial_rollout:
+            received.result()
 
     def _receive_and_generate(self, role: Any, update: WeightsUpdate | None, prompts: Batch) -> tuple[Batch, float]:
         """In the worker's thread: take the weights, generate; with the seconds it took (the worker busy)."""
@@ -180,16 +188,24 @@ class SeparateRollout:
             pending.finish(error)
             raise
         pending.finish()
-        batch.tensors[ROLLOUT_VERSION] = torch.full((len(batch),), pending.version, dtype=torch.long)
-        staleness = float(self.actor_version - pending.version)
+        mask = batch.tensors[RESPONSE_MASK].bool()
+        if ROLLOUT_VERSION not in batch.tensors:  # the whole generation ran with the weights it was launched with
+            batch.tensors[ROLLOUT_VERSION] = torch.full(mask.shape, pending.version, dtype=torch.long)
+        versions = batch.tensors[ROLLOUT_VERSION]
+        oldest = torch.where(mask, versions, torch.iinfo(torch.long).max).min(-1).values.clamp(max=pending.version)
+        staleness = (self.actor_version - oldest).float()
         ready = sum(p.future.done() for p in self.pending.values())
-        return batch, {
+        metrics = {
             "timing_s/generate_ahead": busy_s,
-            "training/staleness_mean": staleness,
-            "training/staleness_max": staleness,
+            "training/staleness_mean": staleness.mean().item(),
+            "training/staleness_max": staleness.max().item(),
             "fully_async/queue_depth": float(ready),
             "fully_async/in_flight": float(len(self.pending) - ready),
         }
+        if self.partial_rollout:
+            newest = torch.where(mask, versions, -1).max(-1).values
+            metrics["fully_async/partial_ratio"] = (newest > oldest).float().mean().item()
+        return batch, metrics
 
     def close(self) -> None:
         """Drop the generations in flight (the run ended or failed) and the workers' threads."""

@@ -26,9 +26,9 @@ class WeightTransport(Protocol):
     # handle later
     rendezvous: bool
 
-    def send(self, tensors: Iterable[tuple[str, torch.Tensor]], to: int | None = None) -> Any:
-        """Ship the named tensors (to rollout worker ``to``, where the transport addresses one); returns the handle
-        the receiving side reads them from."""
+    def send(self, tensors: Iterable[tuple[str, torch.Tensor]], to: int | None = None, version: int = 0) -> Any:
+        """Ship the named tensors, the weights of ``version`` (to rollout worker ``to``, where the transport addresses
+        one and announces the version to it); returns the handle the receiving side reads them from."""
 
     def receive(self, handle: Any) -> Iterator[tuple[str, torch.Tensor]]:
         """The named tensors of ``handle``, one at a time."""
@@ -37,7 +37,7 @@ class WeightTransport(Protocol):
 class InProcessTransport:
     rendezvous = False
 
-    def send(self, tensors: Iterable[tuple[str, torch.Tensor]], to: int | None = None) -> list:
+    def send(self, tensors: Iterable[tuple[str, torch.Tensor]], to: int | None = None, version: int = 0) -> list:
         return [(name, tensor.detach().clone()) for name, tensor in tensors]
 
     def receive(self, handle: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

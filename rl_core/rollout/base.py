@@ -36,6 +36,7 @@ from rl_core.batch_fields import (
     RESPONSE_MASK,
     RESPONSES,
     ROLLOUT_LOG_PROBS,
+    ROLLOUT_VERSION,
     VAL_KWARGS,
     VALIDATE,
 )
@@ -49,11 +50,13 @@ class RolloutEngine(Protocol):
 class TokenSample:
     """One continuation drawn by :meth:`TokenEngine.generate_tokens`: the sampled ids exactly as drawn, up to and
     including the first stop token or the row's budget; their log-probs (with ``rollout.calculate_log_probs``);
-    ``finish_reason`` ``stop`` (ended on a stop token) or ``length`` (ran out of budget)."""
+    ``finish_reason`` ``stop`` (ended on a stop token) or ``length`` (ran out of budget); with partial rollout
+    (:mod:`rl_core.rollout.partial`) the version of the weights that sampled each token."""
 
     token_ids: list[int]
     log_probs: list[float] | None
     finish_reason: str
+    versions: list[int] | None = None
 
 
 class TokenEngine(RolloutEngine, Protocol):
@@ -145,6 +148,12 @@ def row_seed(seed: int, row: int) -> int:
     return _hash63(f"{int(seed)}/{int(row)}")
 
 
+def continuation_seed(seed: int, segment: int) -> int:
+    """The seed of the ``segment``-th continuation (>= 1) of rows drawn from the random stream ``seed`` whose
+    generation stopped early for newer weights (partial rollout); segment 0 is ``seed`` itself."""
+    return seed if segment == 0 else _hash63(f"{int(seed)}/continued/{int(segment)}")
+
+
 def _hash63(key: str) -> int:
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") >> 1
 
@@ -201,7 +210,7 @@ def assemble_samples(
     """The sequence batch of one response per prompt row from token lists (right-padded to ``response_length``):
     ``masks`` (default: all 1) marks which response tokens the policy sampled, the rest of each token list being real
     tokens it did not sample (tool output); ``rollout_log_probs`` when the samples carry log-probs, 0 where the mask
-    is 0."""
+    is 0; ``rollout_version`` (rows, response_length) when they carry versions (partial rollout)."""
     rows = len(samples)
     responses = torch.full((rows, response_length), pad_token_id, dtype=torch.long)
     response_mask = torch.zeros((rows, response_length), dtype=torch.long)
@@ -220,4 +229,9 @@ def assemble_samples(
     )
     if samples and samples[0].log_probs is not None:
         out.tensors[ROLLOUT_LOG_PROBS] = (log_probs.to(device) * response_mask.to(device)).float()
+    if samples and samples[0].versions is not None:
+        versions = torch.zeros((rows, response_length), dtype=torch.long)
+        for row, sample in enumerate(samples):
+            versions[row, : len(sample.versions)] = torch.tensor(sample.versions, dtype=torch.long)
+        out.tensors[ROLLOUT_VERSION] = versions.to(device)
     return out

@@ -16,6 +16,10 @@ sampler draws from, one (rows, vocabulary) tensor at a time.
 ``torch.compile`` on CUDA (one compilation per prompt-length bucket, then CUDA-graph-friendly decode steps); on the
 CPU it runs uncompiled. ``rollout.free_cache_engine`` returns the cached CUDA blocks of the KV cache to the allocator
 after each rollout, for the update that follows.
+
+With partial rollout (``newer_weights`` set: :mod:`rl_core.rollout.partial`) a chunk's generation stops after the
+token at which the actor offers newer weights; they are taken and the unfinished rows continue, each segment seeded
+from the chunk's seed and its number.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import torch
 from transformers import (
     LogitsProcessor,
     LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -39,6 +45,7 @@ from rl_core.rollout.base import (
     SamplingParams,
     TokenSample,
     assemble_samples,
+    continuation_seed,
     cut_at_stop,
     data_parallel_rank,
     prompt_contexts,
@@ -47,6 +54,7 @@ from rl_core.rollout.base import (
     sampling_seed,
     stop_token_ids,
 )
+from rl_core.rollout.partial import NewerWeights
 
 
 def sampling_processors(params: SamplingParams) -> list[LogitsProcessor]:
@@ -90,6 +98,18 @@ class SampledTokenLogProbs(LogitsProcessor):
         )
 
 
+class StopForNewerWeights(StoppingCriteria):
+    """Ends a ``generate`` call (every row) after the token at which newer weights are offered; ``fired`` says
+    whether it did."""
+
+    def __init__(self, newer_weights: NewerWeights) -> None:
+        self.newer_weights, self.fired = newer_weights, False
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> torch.BoolTensor:
+        self.fired = self.fired or self.newer_weights.waiting()
+        return torch.full((input_ids.shape[0],), self.fired, dtype=torch.bool, device=input_ids.device)
+
+
 class HFRolloutEngine:
     """``generate_sequences`` on a transformers causal LM (see the module doc and :mod:`rl_core.rollout.base`), built
     on the token primitive ``generate_tokens`` that multi-turn rollouts use too."""
@@ -102,6 +122,7 @@ class HFRolloutEngine:
         self.chunk_size = int(rollout_config.generation_batch_size)
         self.stop_token_ids = stop_token_ids(tokenizer, rollout_config)
         self.pad_token_id = tokenizer.pad_token_id
+        self.newer_weights: NewerWeights | None = None  # partial rollout (set by a rollout worker of its own)
 
     @contextlib.contextmanager
     def rollout(self, meta_info: dict[str, Any]) -> Iterator[None]:
@@ -127,18 +148,62 @@ class HFRolloutEngine:
             for chunk, start in enumerate(range(0, len(contexts), self.chunk_size)):
                 part = contexts[start : start + self.chunk_size]
                 seed = sampling_seed(self.config, prompts.meta_info, rank, chunk)
-                samples += self.generate_tokens(part, [self.response_length] * len(part), params, seed, width)
+                if self.newer_weights is None:
+                    samples += self.generate_tokens(part, [self.response_length] * len(part), params, seed, width)
+                else:
+                    samples += self.generate_taking_newer_weights(part, params, seed, width)
         out = assemble_samples(prompts, samples, self.response_length, self.pad_token_id)
         out.meta_info[TEMPERATURE] = params.temperature
         return out
 
+    def generate_taking_newer_weights(
+        self, contexts: list[list[int]], params: SamplingParams, seed: int, width: int
+    ) -> list[TokenSample]:
+        """A chunk's responses under partial rollout: generated until newer weights are offered, which are then
+        taken, the unfinished rows continuing (prompt + tokens so far) in the next segment; each token tagged with the
+        version that sampled it. Nothing offered: the same samples as :meth:`generate_tokens`."""
+        budget = self.response_length
+        samples = [TokenSample([], [] if self.config.calculate_log_probs else None, "length", []) for _ in contexts]
+        rows, segment = list(range(len(contexts))), 0
+        while rows:
+            version, stop = self.newer_weights.held(), StopForNewerWeights(self.newer_weights)
+            drawn = self.generate_tokens(
+                [contexts[row] + samples[row].token_ids for row in rows],
+                [budget - len(samples[row].token_ids) for row in rows],
+                params,
+                continuation_seed(seed, segment),
+                width,
+                stopping=stop,
+            )
+            for row, part in zip(rows, drawn):
+                sample = samples[row]
+                sample.token_ids += part.token_ids
+                sample.versions += [version] * len(part.token_ids)
+                sample.finish_reason = part.finish_reason
+                if sample.log_probs is not None:
+                    sample.log_probs += part.log_probs
+            if not stop.fired:
+                break
+            self.newer_weights.take()
+            rows = [
+                row for row in rows if samples[row].finish_reason != "stop" and len(samples[row].token_ids) < budget
+            ]
+            segment += 1
+        return samples
+
     @torch.no_grad()
     def generate_tokens(
-        self, contexts: list[list[int]], max_new_tokens: list[int], params: SamplingParams, seed: int, width: int = 0
+        self,
+        contexts: list[list[int]],
+        max_new_tokens: list[int],
+        params: SamplingParams,
+        seed: int,
+        width: int = 0,
+        stopping: StoppingCriteria | None = None,
     ) -> list[TokenSample]:
         """One continuation per context (see :class:`rl_core.rollout.base.TokenEngine`): the contexts are left-padded
-        to one tensor (at least ``width`` wide), sampled together for the largest budget, and each row is cut at its
-        first stop token and its own budget."""
+        to one tensor (at least ``width`` wide), sampled together for the largest budget (or until ``stopping``
+        ends the call), and each row is cut at its first stop token and its own budget."""
         width = max(width, max(len(context) for context in contexts))
         device = next(self.model.parameters()).device
         input_ids = torch.full((len(contexts), width), self.pad_token_id, dtype=torch.long)
@@ -166,6 +231,7 @@ class HFRolloutEngine:
                 cache_implementation=None if self.config.enforce_eager else "static",
                 disable_compile=bool(self.config.enforce_eager),
                 logits_processor=LogitsProcessorList(sampling_processors(params) + ([recorder] if recorder else [])),
+                stopping_criteria=StoppingCriteriaList([stopping] if stopping else []),
             )
         generated = sequences[:, width:]
         log_probs = recorder.log_probs(generated).tolist() if recorder is not None else None

@@ -58,6 +58,7 @@ from rl_core.models.logprob import response_log_probs
 from rl_core.models.lora import adapter_disabled, apply_lora, uses_lora
 from rl_core.models.optim import build_lr_scheduler, build_optimizer
 from rl_core.rollout import build_rollout_engine
+from rl_core.rollout.partial import NewerWeights
 from rl_core.weight_sync import (
     InProcessTransport,
     WeightsUpdate,
@@ -163,6 +164,7 @@ class ActorRolloutRefWorker:
         role: str = "actor_rollout_ref",
         device: str = "cpu",
         weight_transport: WeightTransport | None = None,
+        partial_rollout: bool = False,
     ):
         parts = set(role.split("_"))
         if not parts or not parts <= set(ROLES):
@@ -181,6 +183,9 @@ class ActorRolloutRefWorker:
         self.updates_started = 0  # updates begun: more than steps_trained while (or after a failure in) an update
         self.weight_transport: WeightTransport = weight_transport or InProcessTransport()
         self.loaded_version = 0  # a rollout of its own: the actor's version whose weights it holds
+        # a rollout of its own over a rendezvous transport: a generation takes newer weights between two tokens
+        # (async_training.partial_rollout; rl_core.rollout.partial)
+        self.partial_rollout = partial_rollout
 
     # ------------------------------------------------------------------ set-up
     @dispatch(ONE_TO_ALL)
@@ -234,6 +239,12 @@ class ActorRolloutRefWorker:
                     model_config=self.model_config,
                     compute_dtype=self.compute_dtype,
                 )
+                if self.partial_rollout:
+                    self.rollout.newer_weights = NewerWeights(
+                        held=lambda: self.loaded_version,
+                        offered=self.weight_transport.offered,
+                        take=self._take_offered_weights,
+                    )
                 multi_turn, endpoint = self.rollout_config.multi_turn, self.rollout_config.agent.endpoint
                 if multi_turn.enable or endpoint.function is not None or endpoint.command is not None:
                     tools = configured_tools(multi_turn) if multi_turn.enable else {}
@@ -397,15 +408,26 @@ class ActorRolloutRefWorker:
             tensors = ((name, state[name]) for name in names)
         else:
             tensors = trained_tensors(self.module)
-        return WeightsUpdate(self.steps_trained, self.weight_transport.send(tensors, to)) if is_rank_zero() else None
+        if not is_rank_zero():
+            return None
+        return WeightsUpdate(self.steps_trained, self.weight_transport.send(tensors, to, self.steps_trained))
 
     @dispatch(ONE_TO_ALL)
     def receive_weights(self, update: WeightsUpdate) -> int:
-        """A rollout-only worker takes the actor's exported weights and version; returns how many tensors moved."""
+        """A rollout-only worker takes the actor's exported weights and version; returns how many tensors moved (none
+        when it holds them already: a generation took them between two tokens, partial rollout)."""
         self._require(self.is_rollout and not self.is_actor, "receive_weights", "rollout (without the actor)")
+        if update.version <= self.loaded_version:
+            return 0
         count = load_tensors(self.module, self.weight_transport.receive(update.handle))
         self.loaded_version = update.version
         return count
+
+    def _take_offered_weights(self) -> int:
+        """Partial rollout, between two tokens of a generation: the weights the actor sends now; their version."""
+        load_tensors(self.module, self.weight_transport.receive(None))
+        self.loaded_version = self.weight_transport.received_version
+        return self.loaded_version
 
     # ------------------------------------------------------------------ checkpoints
     @dispatch(ONE_TO_ALL)

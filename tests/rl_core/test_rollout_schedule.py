@@ -39,6 +39,16 @@ def test_each_step_generates_from_the_last_sync_point_whose_batches_reach_it(ste
     assert max(steady) == window.max_staleness
 
 
+# a fully asynchronous run whose generations take newer weights between two tokens
+PARTIAL = [
+    "rollout.n_gpus_per_node=1",
+    "async_training.mode=fully_async",
+    "async_training.staleness_threshold=1",
+    "async_training.partial_rollout=true",
+    "actor_rollout_ref.rollout.checkpoint_engine.backend=gloo",
+]
+
+
 @pytest.mark.parametrize(
     "overrides,message",
     [
@@ -49,7 +59,15 @@ def test_each_step_generates_from_the_last_sync_point_whose_batches_reach_it(ste
         ),
         (
             ["rollout.n_gpus_per_node=1", "async_training.mode=fully_async", "async_training.partial_rollout=true"],
-            "async_training.partial_rollout=true is not built",
+            "only a fully_async window with staleness_threshold > 0 has generations in flight at a weight sync",
+        ),
+        (
+            [*PARTIAL, "actor_rollout_ref.rollout.checkpoint_engine.backend=naive"],
+            "needs weights the generation hears coming: set actor_rollout_ref.rollout.checkpoint_engine.backend=gloo",
+        ),
+        (
+            [*PARTIAL, "actor_rollout_ref.rollout.multi_turn.enable=true"],
+            "is built for single-turn generation on actor_rollout_ref.rollout.name=hf (this run: name=hf, multi-turn",
         ),
         (
             ["rollout.n_gpus_per_node=1", "async_training.mode=fully_async", "async_training.staleness_threshold=0.5"],
@@ -92,6 +110,7 @@ def test_schedules_that_cannot_run_are_refused_naming_the_fix(overrides, message
 
 def test_asynchronous_configs_compose():
     compose_config(["rollout.n_gpus_per_node=2", "async_training.mode=one_step_off"])  # two steps, two workers
+    compose_config(PARTIAL)
     config = compose_config(
         [
             "rollout.n_gpus_per_node=2",
