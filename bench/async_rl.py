@@ -28,7 +28,9 @@ continuous otherwise). A mode run with a batching other than ``default`` is labe
 new weights between two tokens; the fully_async modes only).
 
 On a GPU machine the same command runs each pool on its own GPU (``trainer.n_gpus_per_node=1`` stays; the rollout takes
-another). Prints a table per workload (medians over the repeats) and, last, one JSON line.
+another). Prints a table per workload (medians over the repeats; the staleness, a sample's versions behind averaged
+over the steps, and the share of samples partial rollout continued under newer weights, means) and, last, one JSON
+line.
 """
 
 from __future__ import annotations
@@ -104,7 +106,15 @@ def run(folder: Path, overrides: list[str]) -> dict[str, float]:
     val_key = next(k for (k,) in db.execute("select distinct key from metrics") if k.endswith("/acc/mean_at_1"))
     step_s = statistics.median(history("perf/time_per_step")[5:])
     gen_wait_s = statistics.median(history("timing_s/gen")[5:])
-    return {"step_s": step_s, "val_accuracy": history(val_key)[-1], "gen_wait_s": gen_wait_s}
+    staleness = statistics.mean(history("training/staleness_mean") or [0.0])  # 0 colocated (not logged)
+    partial = statistics.mean(history("fully_async/partial_ratio") or [0.0])  # 0 without partial rollout
+    return {
+        "step_s": step_s,
+        "val_accuracy": history(val_key)[-1],
+        "gen_wait_s": gen_wait_s,
+        "staleness": staleness,
+        "partial_ratio": partial,
+    }
 
 
 def main() -> None:
@@ -158,6 +168,8 @@ def main() -> None:
                     "samples_per_s": round(samples / statistics.median(r["step_s"] for r in runs), 1),
                     "gen_wait_s": round(statistics.median(r["gen_wait_s"] for r in runs), 4),
                     "val_accuracy": round(statistics.median(r["val_accuracy"] for r in runs), 3),
+                    "staleness": round(statistics.mean(r["staleness"] for r in runs), 3),
+                    "partial_ratio": round(statistics.mean(r["partial_ratio"] for r in runs), 3),
                 }
                 for mode, runs in results.items()
             }
@@ -168,11 +180,14 @@ def main() -> None:
             }
             summary[workload] = {"samples_per_step": samples, **rows, "speedup": speedups}
             print(f"\n{workload}: {args.steps} steps of {samples} samples, {args.repeats} repeats (medians)")
-            print(f"{'mode':25} {'step (s)':>9} {'samples/s':>10} {'gen wait (s)':>13} {'val accuracy':>13}")
+            print(
+                f"{'mode':25} {'step (s)':>9} {'samples/s':>10} {'gen wait (s)':>13} {'val accuracy':>13} "
+                f"{'staleness':>10} {'partial':>8}"
+            )
             for mode, row in rows.items():
                 print(
                     f"{mode:25} {row['step_s']:9.3f} {row['samples_per_s']:10.1f} {row['gen_wait_s']:13.3f} "
-                    f"{row['val_accuracy']:13.3f}"
+                    f"{row['val_accuracy']:13.3f} {row['staleness']:10.3f} {row['partial_ratio']:8.3f}"
                 )
             print(", ".join(f"{mode} / {baseline}: {x:.2f}x" for mode, x in speedups.items()) + " samples per second\n")
     print(json.dumps({"steps": args.steps, "repeats": args.repeats, "workloads": summary}))

@@ -431,9 +431,11 @@ def test_multi_turn_rollouts_with_a_tool_train_and_resume_in_the_flow(run_overri
 
 
 def test_one_step_off_on_two_rollout_workers_survives_the_death_of_one(run_overrides, monkeypatch):
-    """The rollout on two workers of its own, one step off, the weights broadcast over gloo channels
-    (checkpoint_engine.backend=gloo; Ray's object store is the multi-node tests'): each step after the first trains on
-    samples one version old (training/staleness_max); the worker that step 3's generation is launched on is
+    """The rollout on two workers of its own, fully asynchronous with staleness_threshold=1 (the one-step-off window),
+    partial rollout on, the weights broadcast over gloo channels (checkpoint_engine.backend=gloo; Ray's object store is
+    the multi-node tests'): each step after the first trains on samples one version old (training/staleness_max: the
+    worker synced is the idle one, so nothing is interrupted, fully_async/partial_ratio 0); the worker that step 3's
+    generation is launched on is
     killed as it is, and the rollout's workers are rebuilt alone (the trainer's workers go on: the same processes)
     and step 3 runs again, its samples generated then (staleness 0); the run finishes with every step once; no worker
     of either group is left."""
@@ -442,7 +444,9 @@ def test_one_step_off_on_two_rollout_workers_survives_the_death_of_one(run_overr
         "trainer.val_before_train=false",
         "trainer.test_freq=-1",
         "rollout.n_gpus_per_node=2",
-        "async_training.mode=one_step_off",
+        "async_training.mode=fully_async",
+        "async_training.staleness_threshold=1",
+        "async_training.partial_rollout=true",
         "actor_rollout_ref.rollout.checkpoint_engine.backend=gloo",
         "actor_rollout_ref.rollout.calculate_log_probs=true",
         "algorithm.rollout_correction.rollout_is=token",
@@ -471,6 +475,7 @@ def test_one_step_off_on_two_rollout_workers_survives_the_death_of_one(run_overr
         4: [1.0],
     }
     assert "rollout_corr/rollout_is_mean" in history
+    assert history["fully_async/partial_ratio"] == {1: [0.0], 2: [0.0], 3: [0.0], 4: [0.0]}
     assert all(0 <= v[0] <= 1 for v in history["perf/trainer_idle_fraction"].values())
     assert sorted(history["perf/rollout_idle_fraction"]) == [1, 2, 3, 4]
     assert sorted(history["fully_async/in_flight"]) == [1, 2, 3, 4]
