@@ -231,25 +231,29 @@ class ActorRolloutRefWorker:
                         self.ref_module.requires_grad_(False).eval().to(self.device), fsdp_config, self.compute_dtype
                     )
             if self.is_rollout:
-                self.rollout = build_rollout_engine(
-                    self.rollout_config.name,
-                    model=self.module,
-                    tokenizer=self.tokenizer,
-                    rollout_config=self.rollout_config,
-                    model_config=self.model_config,
-                    compute_dtype=self.compute_dtype,
-                )
-                if self.partial_rollout:
-                    self.rollout.newer_weights = NewerWeights(
-                        held=lambda: self.loaded_version,
-                        offered=self.weight_transport.offered,
-                        take=self._take_offered_weights,
-                    )
-                multi_turn, endpoint = self.rollout_config.multi_turn, self.rollout_config.agent.endpoint
-                if multi_turn.enable or endpoint.function is not None or endpoint.command is not None:
-                    tools = configured_tools(multi_turn) if multi_turn.enable else {}
-                    self.rollout = MultiTurnRollout(self.rollout, self.tokenizer, self.rollout_config, tools)
+                self.rollout = self._build_rollout()
         return notes
+
+    def _build_rollout(self) -> Any:
+        """The rollout engine on the policy's module; with partial rollout it takes newer weights between two tokens;
+        wrapped in the multi-turn loop when tools or agents are configured."""
+        engine = build_rollout_engine(
+            self.rollout_config.name,
+            model=self.module,
+            tokenizer=self.tokenizer,
+            rollout_config=self.rollout_config,
+            model_config=self.model_config,
+            compute_dtype=self.compute_dtype,
+        )
+        if self.partial_rollout:
+            engine.newer_weights = NewerWeights(
+                held=lambda: self.loaded_version, offered=self.weight_transport.offered, take=self._take_offered_weights
+            )
+        multi_turn, endpoint = self.rollout_config.multi_turn, self.rollout_config.agent.endpoint
+        if multi_turn.enable or endpoint.function is not None or endpoint.command is not None:
+            tools = configured_tools(multi_turn) if multi_turn.enable else {}
+            return MultiTurnRollout(engine, self.tokenizer, self.rollout_config, tools)
+        return engine
 
     # ------------------------------------------------------------------ stages
     @dispatch(DP_COMPUTE)
