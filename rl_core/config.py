@@ -504,7 +504,7 @@ class AsyncTrainingConfig:
     staleness_threshold: float = 0.0  # fully_async: steps generated between syncs = (1 + this) x the next key
     trigger_parameter_sync_step: int = 1  # fully_async: trainer steps between weight syncs to the rollout
     # fully_async: a generation in flight at a weight sync takes the new weights between two tokens and goes on
-    # (verl's; rl_core/rollout/partial.py: needs checkpoint_engine.backend gloo / nccl and single-turn hf generation)
+    # (verl's; rl_core/rollout/partial.py: needs checkpoint_engine.backend gloo / nccl and the hf engine)
     partial_rollout: bool = False
 
 

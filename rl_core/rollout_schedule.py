@@ -126,8 +126,8 @@ def check_async_training(config: Any, error: type[Exception] = ValueError) -> No
 
 def check_partial_rollout(config: Any, error: type[Exception]) -> None:
     """``async_training.partial_rollout=true`` (rl_core/rollout/partial.py) needs a window that lets a generation be
-    in flight at a weight sync, a transport that tells the generation newer weights are coming, and the HF engine's
-    single-turn generation (where it is built)."""
+    in flight at a weight sync, a transport that tells the generation newer weights are coming, and the HF engine
+    with trajectories the project assembles (single turn, the tool loop, endpoint agents; not loops of one's own)."""
     settings, rollout = config.async_training, config.actor_rollout_ref.rollout
     fix = "or set async_training.partial_rollout=false"
     if settings.mode != "fully_async" or not settings.staleness_threshold > 0:
@@ -141,9 +141,9 @@ def check_partial_rollout(config: Any, error: type[Exception]) -> None:
             "async_training.partial_rollout=true needs weights the generation hears coming: set "
             f"actor_rollout_ref.rollout.checkpoint_engine.backend=gloo (CPUs) or nccl (GPUs), {fix}"
         )
-    agents = rollout.multi_turn.enable or rollout.agent.endpoint.function or rollout.agent.endpoint.command
-    if rollout.name != "hf" or agents or rollout.agent.agent_loop_config_path:
+    if rollout.name != "hf" or rollout.agent.agent_loop_config_path:
         raise error(
-            "async_training.partial_rollout=true is built for single-turn generation on actor_rollout_ref.rollout.name="
-            f"hf (this run: name={rollout.name}, multi-turn or agent loops {'on' if agents else 'off'}); {fix}"
+            "async_training.partial_rollout=true is built for actor_rollout_ref.rollout.name=hf and the trajectories "
+            "ppoflow assembles (single turn, the tool loop, endpoint agents), not loops of one's own (this run: "
+            f"name={rollout.name}, agent_loop_config_path={rollout.agent.agent_loop_config_path}); {fix}"
         )

@@ -314,7 +314,8 @@ class EndpointAgents:
                 session.trajectory.batch_sizes.append(len(part))
                 if isinstance(call.request, TokenRequest):
                     session.calls += 1
-                    self._answer(session, call, TokenOutput(sample.token_ids, sample.log_probs, sample.finish_reason))
+                    output = TokenOutput(sample.token_ids, sample.log_probs, sample.finish_reason, sample.versions)
+                    self._answer(session, call, output)
                 else:
                     self._answer(session, call, self._reply(session, call.request, context, sample, recorded))
 
@@ -418,7 +419,7 @@ class EndpointAgents:
         session.calls += 1
         trajectory = session.trajectory
         if recorded:
-            trajectory.append(ids, from_policy=True, log_probs=sample.log_probs)
+            trajectory.append(ids, from_policy=True, log_probs=sample.log_probs, versions=sample.versions)
             trajectory.assistant_turns += 1
             trajectory.turn_rewards.append(0.0)
             trajectory.messages.append(
@@ -448,7 +449,7 @@ class EndpointAgents:
         if session.error is None and session.calls == 0:
             session.error = "the agent made no request"
         if not trajectory.mask or not any(trajectory.mask):  # nothing recorded: one untrained EOS token
-            trajectory.ids, trajectory.mask, trajectory.log_probs = [], [], []
+            trajectory.ids, trajectory.mask, trajectory.log_probs, trajectory.versions = [], [], [], []
             trajectory.append([self.tokenizer.eos_token_id], from_policy=False)
         if trajectory.finish is None and session.error is not None:
             trajectory.finish = "agent_timeout" if session.timed_out else "agent_error"

@@ -43,11 +43,13 @@ class AgentLoopConfigError(ValueError):
 
 @dataclass
 class TokenOutput:
-    """What ``server_manager.generate`` returns: the sampled ids, their log-probs (or None), ``stop`` or ``length``."""
+    """What ``server_manager.generate`` returns: the sampled ids, their log-probs (or None), ``stop`` or ``length``;
+    with partial rollout each token's weights version (ppoflow's, not verl's)."""
 
     token_ids: list[int]
     log_probs: list[float] | None
     finish_reason: str
+    versions: list[int] | None = None
 
 
 @dataclass

@@ -83,12 +83,14 @@ FINISH_REASONS = ("stop", "interaction", "length", "max_turns", "parse_error", "
 @dataclass
 class Trajectory:
     """One prompt row's conversation as tokens: ``ids`` (the response so far), ``mask`` (1 on policy tokens),
-    ``log_probs`` (the sampler's, 0 on other tokens)."""
+    ``log_probs`` (the sampler's, 0 on other tokens), ``versions`` (partial rollout: the weights' version that sampled
+    each policy token; other tokens carry the one before them)."""
 
     prompt: list[int]
     ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
     assistant_turns: int = 0
     user_turns: int = 0  # rounds of tool answers or of the interaction's replies
     messages: list[dict[str, str]] = field(default_factory=list)
@@ -109,10 +111,13 @@ class Trajectory:
     by_endpoint: bool = False  # endpoint_agent or a loop of one's own (rl_core/agent/endpoint.py, loops.py) runs it
     endpoint: dict[str, Any] = field(default_factory=dict)  # what its endpoint agent returned and how its calls went
 
-    def append(self, ids: list[int], from_policy: bool, log_probs: list[float] | None = None) -> None:
+    def append(
+        self, ids: list[int], from_policy: bool, log_probs: list[float] | None = None, versions: list[int] | None = None
+    ) -> None:
         self.ids += ids
         self.mask += [int(from_policy)] * len(ids)
         self.log_probs += log_probs if log_probs is not None else [0.0] * len(ids)
+        self.versions += versions if versions is not None else [self.versions[-1] if self.versions else 0] * len(ids)
 
     def summary(self) -> dict[str, Any]:
         """What the reward function (``extra_info``) and the samples table get."""
@@ -209,8 +214,15 @@ class MultiTurnRollout:
                         width=width,
                     )
         self._finish_sessions(trajectories)
+        partial = getattr(self.engine, "newer_weights", None) is not None  # versions per token (partial rollout)
         samples = [
-            TokenSample(t.ids, t.log_probs if self.config.calculate_log_probs else None, t.finish) for t in trajectories
+            TokenSample(
+                t.ids,
+                t.log_probs if self.config.calculate_log_probs else None,
+                t.finish,
+                t.versions if partial else None,
+            )
+            for t in trajectories
         ]
         if any(t.by_endpoint for t in trajectories):  # an agent's first request is its trajectory's prompt
             tensors = left_padded([t.prompt for t in trajectories], width, self.pad_token_id)
@@ -260,7 +272,8 @@ class MultiTurnRollout:
         while trajectory.finish is None:
             budget = {"max_tokens": self.response_length - len(trajectory.ids)}
             output = await server.generate("", prompt_ids=trajectory.prompt + trajectory.ids, sampling_params=budget)
-            self._take_turn(trajectory, TokenSample(output.token_ids, output.log_probs, output.finish_reason))
+            turn = TokenSample(output.token_ids, output.log_probs, output.finish_reason, output.versions)
+            self._take_turn(trajectory, turn)
             if trajectory.finish is None:
                 answers = [future for _, future in trajectory.pending]
                 answers += [trajectory.reply] if trajectory.reply is not None else []
@@ -275,7 +288,7 @@ class MultiTurnRollout:
     # ------------------------------------------------------------------ one turn
     def _take_turn(self, trajectory: Trajectory, sample: TokenSample) -> None:
         """Append the policy's turn; read its calls and start them, or end the trajectory."""
-        trajectory.append(sample.token_ids, from_policy=True, log_probs=sample.log_probs)
+        trajectory.append(sample.token_ids, from_policy=True, log_probs=sample.log_probs, versions=sample.versions)
         trajectory.assistant_turns += 1
         trajectory.turn_rewards.append(0.0)
         text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)

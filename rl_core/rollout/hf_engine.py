@@ -17,9 +17,9 @@ sampler draws from, one (rows, vocabulary) tensor at a time.
 CPU it runs uncompiled. ``rollout.free_cache_engine`` returns the cached CUDA blocks of the KV cache to the allocator
 after each rollout, for the update that follows.
 
-With partial rollout (``newer_weights`` set: :mod:`rl_core.rollout.partial`) a chunk's generation stops after the
-token at which the actor offers newer weights; they are taken and the unfinished rows continue, each segment seeded
-from the chunk's seed and its number.
+With partial rollout (``newer_weights`` set: :mod:`rl_core.rollout.partial`) a ``generate_tokens`` call (a chunk
+of a single-turn rollout, a batch of multi-turn turns) stops after the token at which the actor offers newer weights;
+they are taken and the unfinished rows continue, each segment seeded from the call's seed and its number.
 """
 
 from __future__ import annotations
@@ -148,28 +148,33 @@ class HFRolloutEngine:
             for chunk, start in enumerate(range(0, len(contexts), self.chunk_size)):
                 part = contexts[start : start + self.chunk_size]
                 seed = sampling_seed(self.config, prompts.meta_info, rank, chunk)
-                if self.newer_weights is None:
-                    samples += self.generate_tokens(part, [self.response_length] * len(part), params, seed, width)
-                else:
-                    samples += self.generate_taking_newer_weights(part, params, seed, width)
+                samples += self.generate_tokens(part, [self.response_length] * len(part), params, seed, width)
         out = assemble_samples(prompts, samples, self.response_length, self.pad_token_id)
         out.meta_info[TEMPERATURE] = params.temperature
         return out
 
-    def generate_taking_newer_weights(
-        self, contexts: list[list[int]], params: SamplingParams, seed: int, width: int
+    def generate_tokens(
+        self, contexts: list[list[int]], max_new_tokens: list[int], params: SamplingParams, seed: int, width: int = 0
     ) -> list[TokenSample]:
-        """A chunk's responses under partial rollout: generated until newer weights are offered, which are then
-        taken, the unfinished rows continuing (prompt + tokens so far) in the next segment; each token tagged with the
-        version that sampled it. Nothing offered: the same samples as :meth:`generate_tokens`."""
-        budget = self.response_length
+        """One continuation per context (see :class:`rl_core.rollout.base.TokenEngine`), at most ``max_new_tokens[i]``
+        tokens; with partial rollout taking newer weights on the way (:meth:`_draw_taking_newer_weights`)."""
+        if self.newer_weights is None:
+            return self._draw(contexts, max_new_tokens, params, seed, width)
+        return self._draw_taking_newer_weights(contexts, max_new_tokens, params, seed, width)
+
+    def _draw_taking_newer_weights(
+        self, contexts: list[list[int]], max_new_tokens: list[int], params: SamplingParams, seed: int, width: int
+    ) -> list[TokenSample]:
+        """Partial rollout: drawn until newer weights are offered, which are then taken, the unfinished rows going on
+        (context + tokens so far) in the next segment; each token tagged with the version that sampled it. Nothing
+        offered: the same samples as without partial rollout."""
         samples = [TokenSample([], [] if self.config.calculate_log_probs else None, "length", []) for _ in contexts]
         rows, segment = list(range(len(contexts))), 0
         while rows:
             version, stop = self.newer_weights.held(), StopForNewerWeights(self.newer_weights)
-            drawn = self.generate_tokens(
+            drawn = self._draw(
                 [contexts[row] + samples[row].token_ids for row in rows],
-                [budget - len(samples[row].token_ids) for row in rows],
+                [max_new_tokens[row] - len(samples[row].token_ids) for row in rows],
                 params,
                 continuation_seed(seed, segment),
                 width,
@@ -186,13 +191,13 @@ class HFRolloutEngine:
                 break
             self.newer_weights.take()
             rows = [
-                row for row in rows if samples[row].finish_reason != "stop" and len(samples[row].token_ids) < budget
+                r for r in rows if samples[r].finish_reason != "stop" and len(samples[r].token_ids) < max_new_tokens[r]
             ]
             segment += 1
         return samples
 
     @torch.no_grad()
-    def generate_tokens(
+    def _draw(
         self,
         contexts: list[list[int]],
         max_new_tokens: list[int],
@@ -201,9 +206,9 @@ class HFRolloutEngine:
         width: int = 0,
         stopping: StoppingCriteria | None = None,
     ) -> list[TokenSample]:
-        """One continuation per context (see :class:`rl_core.rollout.base.TokenEngine`): the contexts are left-padded
-        to one tensor (at least ``width`` wide), sampled together for the largest budget (or until ``stopping``
-        ends the call), and each row is cut at its first stop token and its own budget."""
+        """One continuation per context: the contexts are left-padded to one tensor (at least ``width`` wide),
+        sampled together for the largest budget (or until ``stopping`` ends the call), and each row is cut at its
+        first stop token and its own budget."""
         width = max(width, max(len(context) for context in contexts))
         device = next(self.model.parameters()).device
         input_ids = torch.full((len(contexts), width), self.pad_token_id, dtype=torch.long)

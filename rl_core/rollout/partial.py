@@ -5,8 +5,9 @@ When the actor sends newer weights to a rollout worker that is generating (a ren
 first: ``infra.weight_transport.CollectiveTransport.offered``), the engine stops after the current token, the worker
 loads them, and the unfinished responses go on from where they stopped (prompt and tokens so far read again under the
 new weights), each token tagged with the version of the weights that sampled it (``TokenSample.versions``, then the
-batch's per-token ``rollout_version``). The trainer then waits one token for the rollout worker, not for the rest of
-the generations it has queued (rl_core/separate_rollout.py); the samples are fresher, their early tokens older.
+batch's per-token ``rollout_version``; a multi-turn trajectory's turns carry theirs: rl_core/agent/runner.py). The
+trainer then waits one token for the rollout worker, not for the rest of the generations it has queued
+(rl_core/separate_rollout.py); the samples are fresher, their early tokens older.
 """
 
 from __future__ import annotations

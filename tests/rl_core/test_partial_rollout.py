@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from infra.weight_transport import CollectiveTransport
+from rl_core.agent.runner import MultiTurnRollout
 from rl_core.batch_fields import RESPONSE_MASK, ROLLOUT_LOG_PROBS, ROLLOUT_VERSION
 from rl_core.models.loading import load_policy_model
 from rl_core.ppo_step import StepWorkers, generation_on, run_ppo_step
@@ -155,3 +156,39 @@ def test_a_generation_in_flight_takes_the_actors_next_weights_over_a_gloo_channe
     assert metrics_of[1]["fully_async/partial_ratio"] == 0 and metrics_of[1]["training/staleness_max"] == 0
     assert metrics_of[4]["fully_async/partial_ratio"] == 0 and metrics_of[4]["training/staleness_max"] == 1
     assert rollout.weights_version() == 2
+
+
+@pytest.mark.parametrize("batching", ["rounds", "continuous"])
+def test_multi_turn_trajectories_carry_each_tokens_version(tmp_path, config, batching):
+    """The tool loop's trajectories (no tools here: one turn each) interrupted at the third token: in rounds the
+    batch is the single-turn engine's under the same offer, versions included; continuously each row's tokens are
+    version 0 then 1 too."""
+    model, tokenizer = load_policy_model(config.actor_rollout_ref.model)
+    rollout = copy.deepcopy(config.actor_rollout_ref.rollout)
+    rollout.response_length, rollout.calculate_log_probs, rollout.agent.batching = 8, True, batching
+    prompts = addition_dataset(tmp_path, tokenizer, config.data, count=4).collate(list(range(4)), uid_prefix="s-")
+    old, new = copy.deepcopy(model.state_dict()), newer_weights_of(model, seed=5)
+    engine = build_rollout_engine("hf", model=model, tokenizer=tokenizer, rollout_config=rollout)
+
+    def interrupted(rollout_engine):
+        model.load_state_dict(old)
+        offer = OfferAtToken(model, new, 3)
+        engine.newer_weights = NewerWeights(
+            held=lambda: offer.version, offered=offer.offered, take=offer.take, every_s=0
+        )
+        out = rollout_engine.generate_sequences(prompts)
+        assert offer.version == 1
+        return out
+
+    single = interrupted(engine)
+    rollout.multi_turn.enable = True
+    multi = interrupted(MultiTurnRollout(engine, tokenizer, rollout, tools={}))
+    mask = multi.tensors[RESPONSE_MASK].bool()
+    versions = multi.tensors[ROLLOUT_VERSION]
+    for row in range(len(prompts)):
+        tagged = versions[row][mask[row]].tolist()
+        assert tagged == sorted(tagged) and set(tagged) <= {0, 1}, row
+    assert (versions[mask] == 1).any() and (versions[mask] == 0).any()
+    if batching == "rounds":
+        for key in ("responses", RESPONSE_MASK, ROLLOUT_LOG_PROBS, ROLLOUT_VERSION):
+            assert torch.equal(multi.tensors[key], single.tensors[key]), key

@@ -66,8 +66,8 @@ PARTIAL = [
             "needs weights the generation hears coming: set actor_rollout_ref.rollout.checkpoint_engine.backend=gloo",
         ),
         (
-            [*PARTIAL, "actor_rollout_ref.rollout.multi_turn.enable=true"],
-            "is built for single-turn generation on actor_rollout_ref.rollout.name=hf (this run: name=hf, multi-turn",
+            [*PARTIAL, "actor_rollout_ref.rollout.name=vllm"],
+            "is built for actor_rollout_ref.rollout.name=hf and the trajectories ppoflow assembles",
         ),
         (
             ["rollout.n_gpus_per_node=1", "async_training.mode=fully_async", "async_training.staleness_threshold=0.5"],
