@@ -101,9 +101,10 @@ class CollectiveTransport:
         from torch.distributed import TCPStore
 
         self.channels.pop(peer, None)
-        store = TCPStore(_node_address(), 0, 2, True, timedelta(seconds=self.timeout_s), wait_for_workers=False)
+        host = _node_address()
+        store = TCPStore(host, 0, 2, True, timedelta(seconds=self.timeout_s), wait_for_workers=False)
         self.stores[peer] = store
-        return _node_address(), store.port
+        return host, store.port
 
     def connect(self, address: tuple[str, int], peer: Any = RECEIVER) -> None:
         """Join the channel: the actor's side (``peer``: the rollout worker it opened it for) is rank 0, a rollout

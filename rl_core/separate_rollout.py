@@ -192,7 +192,8 @@ class SeparateRollout:
         if ROLLOUT_VERSION not in batch.tensors:  # the whole generation ran with the weights it was launched with
             batch.tensors[ROLLOUT_VERSION] = torch.full(mask.shape, pending.version, dtype=torch.long)
         versions = batch.tensors[ROLLOUT_VERSION]
-        oldest = torch.where(mask, versions, torch.iinfo(torch.long).max).min(-1).values.clamp(max=pending.version)
+        oldest = torch.where(mask, versions, torch.iinfo(torch.long).max).min(-1).values
+        oldest = torch.where(mask.any(-1), oldest, pending.version)  # a response without sampled tokens: its launch
         staleness = (self.actor_version - oldest).float()
         ready = sum(p.future.done() for p in self.pending.values())
         metrics = {
