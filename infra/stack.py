@@ -288,6 +288,11 @@ def wait_until_answering(services: list[Service], timeout_s: float = START_TIMEO
         while not service.answers():
             process = SERVICE_PROCESSES.get(service.pid)
             if (process is not None and process.poll() is not None) or not service.alive():
+                if process is not None:  # it may have ended between poll() and alive(): reap it for its exit code
+                    try:
+                        process.wait(timeout=5)
+                    except subprocess.TimeoutExpired:
+                        pass
                 code = (
                     f" (exit code {process.returncode})"
                     if process is not None and process.returncode is not None

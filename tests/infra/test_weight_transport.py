@@ -1,6 +1,7 @@
 """The collective weight transport (checkpoint_engine.backend=gloo; nccl is the same code on GPUs, which this machine
 has not): where each tensor goes in its bucket, every tensor moved exactly over a real gloo channel, a receiver that
-stops early leaves the sender unblocked, and a rollout worker that died ends the send at once with gloo's error."""
+stops early leaves the sender unblocked, and a rollout worker that died ends the send at once with gloo's error (the
+connection closed or reset by it)."""
 
 from concurrent.futures import ThreadPoolExecutor
 
@@ -105,7 +106,7 @@ def test_a_send_to_a_rollout_worker_that_died_fails_at_once_with_the_cause(ray_a
     address = ray.get(actor.open.remote())
     ray.get([actor.connect.remote(address, 0), rollout.connect.remote(address)], timeout=60)
     ray.kill(rollout, no_restart=True)
-    with pytest.raises(ray.exceptions.RayTaskError, match="Connection closed by peer"):
+    with pytest.raises(ray.exceptions.RayTaskError, match="Connection (closed|reset) by peer"):  # as gloo sees it
         ray.get(actor.send.remote(), timeout=60)  # not the channel's 120 s timeout
     ray.kill(actor, no_restart=True)
 
