@@ -29,9 +29,10 @@ MIN_CALL_RATE, MIN_GAIN = 0.9, 0.4
 ATTENTION = {"padding_free": [], "sdpa": ["+actor_rollout_ref.model.override_config.attn_implementation=sdpa"]}
 
 
-def run_demo(folder: Path, overrides: list[str]) -> tuple[dict, float, float]:
-    """(the command's final JSON, its wall time, the seconds until its warm start's loss line), run in ``folder``."""
-    command = [str(Path(sys.executable).with_name("ppoflow")), "train", "data.synthetic.task=calc", *overrides]
+def run_demo(folder: Path, overrides: list[str], task: str = "calc") -> tuple[dict, float, float]:
+    """(the command's final JSON, its wall time, the seconds until its warm start's loss line): ``ppoflow train`` of
+    synthetic ``task``, run in ``folder``."""
+    command = [str(Path(sys.executable).with_name("ppoflow")), "train", f"data.synthetic.task={task}", *overrides]
     started, warm_start_s, last = time.perf_counter(), float("nan"), ""
     with subprocess.Popen(command, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as process:
         for line in process.stdout:
@@ -45,13 +46,13 @@ def run_demo(folder: Path, overrides: list[str]) -> tuple[dict, float, float]:
     return json.loads(last), time.perf_counter() - started, warm_start_s
 
 
-def validations(result: dict) -> dict[int, dict[str, float]]:
-    """{step: {metric: value}} of the run's validation metrics."""
+def validations(result: dict, metrics: tuple[str, ...] = (ACCURACY, CALL_RATE, TURNS)) -> dict[int, dict[str, float]]:
+    """{step: {metric: value}} of the run's ``metrics`` (MLflow's names have "_at_" for "@")."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(result["tracking_uri"])
     table: dict[int, dict[str, float]] = {}
-    for name in (ACCURACY.replace("@", "_at_"), CALL_RATE, TURNS):
+    for name in (metric.replace("@", "_at_") for metric in metrics):
         for metric in client.get_metric_history(result["run_id"], name):
             table.setdefault(metric.step, {})[name.replace("_at_", "@")] = metric.value
     return table

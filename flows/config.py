@@ -29,7 +29,11 @@ from rl_core.remote_folder import is_remote
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 CONFIG_NAME = "ppo_trainer"
 DEMO_PROFILE = CONFIG_DIR / "profile" / "demo.yaml"
-CALC_PROFILE = CONFIG_DIR / "profile" / "demo_calc.yaml"  # over the demo profile, for data.synthetic.task=calc
+# over the demo profile, for data.synthetic.task=calc / shapes
+TASK_PROFILES = {
+    "calc": CONFIG_DIR / "profile" / "demo_calc.yaml",
+    "shapes": CONFIG_DIR / "profile" / "demo_shapes.yaml",
+}
 # `${configs_dir:}` in a config: this folder (the tool demo's profile names its tool YAML with it)
 OmegaConf.register_new_resolver("configs_dir", lambda: str(CONFIG_DIR), replace=True)
 for _name, _resolver in RESOLVERS.items():  # e.g. `${agent_batching:${async_training.mode}}`
@@ -98,7 +102,8 @@ def compose_config(overrides: list[str] | None = None, base: str | None = None) 
         chosen = any(o.lstrip("+").startswith("profile=") for o in overrides)
         # the embedded demo: its profile under the overrides
         if base is None and config.actor_rollout_ref.model.path is None and not chosen:
-            profiles = [DEMO_PROFILE.stem] + ([CALC_PROFILE.stem] if config.data.synthetic.task == "calc" else [])
+            task_profile = TASK_PROFILES.get(config.data.synthetic.task)
+            profiles = [DEMO_PROFILE.stem] + ([task_profile.stem] if task_profile else [])
             config = _compose([f"+profile=[{','.join(profiles)}]", *overrides], base)
         # `+key=value` slips past the schema: refuse it here
         OmegaConf.merge(PPOTrainerConfig, OmegaConf.to_container(config))

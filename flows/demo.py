@@ -3,17 +3,22 @@
 
 The calc task's warm start mixes direct answers and calculator calls (``CALC_SFT_TOOL_SHARE``): the policy starts out
 calling the tool in some samples and answering directly (2-digit products are beyond it) in the others, and the
-outcome reward then favours the calls that are copied right."""
+outcome reward then favours the calls that are copied right.
+
+The shapes task's model is a tiny Qwen2.5-VL whose warm start answers with the colour of a shape of the image picked at
+random (not the largest's): it learns to look and to answer with a colour it sees, right about a third of the time;
+which shape the question asks for is what RL teaches."""
 
 from __future__ import annotations
 
+import random
 import shutil
 from pathlib import Path
 
 from omegaconf import DictConfig
 
 from rl_core.data.rows import write_rows
-from rl_core.data.synthetic import addition_rows, calc_rows, calc_transcript
+from rl_core.data.synthetic import addition_rows, calc_rows, calc_transcript, shapes_rows
 
 DEMO_VERSION = "v2"  # v2: the SFT warm start no longer depends on data.synthetic.train_size
 SFT_STEPS, SFT_BATCH, SFT_LR = 60, 64, 3e-3
@@ -23,11 +28,16 @@ CALC_MODEL, CALC_SFT_STEPS, CALC_SFT_LR = {"hidden_size": 128, "num_layers": 2},
 # its call and the calculator's answer into its last turn; 30% of its traces call (the others answer directly, wrongly
 # on new problems), so the policy starts out calling in about a quarter of its answers and RL finds the calls (README)
 CALC_SFT_TOOL_SHARE = 0.3
+SHAPES_FAMILY = "qwen2_5_vl"  # the visual demo's model (rl_core.models.tiny_vlm)
 
 
 def demo_dir(config: DictConfig) -> Path:
     synthetic = config.data.synthetic
-    name = f"demo-{DEMO_VERSION}-max{synthetic.max_operand}" if synthetic.task == "addition" else "demo-v1-calc"
+    name = (
+        f"demo-{DEMO_VERSION}-max{synthetic.max_operand}"
+        if synthetic.task == "addition"
+        else f"demo-v1-{synthetic.task}"
+    )
     return Path(config.trainer.cache_dir).expanduser() / name
 
 
@@ -35,6 +45,8 @@ def task_rows(config: DictConfig, count: int, split: str) -> list[dict]:
     synthetic = config.data.synthetic
     if synthetic.task == "calc":
         return calc_rows(count, seed=0, split=split)
+    if synthetic.task == "shapes":
+        return shapes_rows(count, seed=0, split=split)
     return addition_rows(count, seed=0, max_operand=synthetic.max_operand, split=split)
 
 
@@ -52,9 +64,18 @@ def ensure_demo_data(config: DictConfig) -> tuple[str, str]:
 
 
 def sft_examples(config: DictConfig) -> list:
-    """The warm start's traces: the answers (addition); a mix of direct answers and calculator calls (calc)."""
+    """The warm start's traces: the answers (addition); a mix of direct answers and calculator calls (calc); the colour
+    of a shape picked at random, with the image (shapes)."""
     from rl_core.sft import SFTExample
 
+    if config.data.synthetic.task == "shapes":
+        from rl_core.data.images import row_images
+
+        rng = random.Random(0)
+        return [
+            SFTExample(row["prompt"], rng.choice(row["extra_info"]["colours"]), tuple(row_images(row, "images", "sft")))
+            for row in shapes_rows(SFT_ROWS, seed=0, split="sft")
+        ]
     calc = config.data.synthetic.task == "calc"
     # the calc traces come from problems of their own: direct answers learnt by heart would leak into RL's
     rows = task_rows(config, SFT_ROWS, "sft" if calc else "train")
@@ -73,8 +94,9 @@ def ensure_demo_model(config: DictConfig, log=print) -> str:
     from rl_core.config import (
         ModelConfig,
     )
-    from rl_core.models.loading import load_policy_model
+    from rl_core.models.loading import load_policy_model, load_policy_processor
     from rl_core.models.tiny import make_tiny_model
+    from rl_core.models.tiny_vlm import make_tiny_vlm
     from rl_core.sft import run_sft
 
     staging = target.with_name("tiny-sft.tmp")
@@ -82,11 +104,17 @@ def ensure_demo_model(config: DictConfig, log=print) -> str:
     synthetic = config.data.synthetic
     calc = synthetic.task == "calc"
     shape = CALC_MODEL if calc else {}
-    make_tiny_model(staging, seed=0, max_operand=synthetic.max_operand, task=synthetic.task, **shape)
-    model, tokenizer = load_policy_model(ModelConfig(path=str(staging)))
+    if synthetic.task == "shapes":
+        make_tiny_vlm(staging, family=SHAPES_FAMILY, seed=0)
+    else:
+        make_tiny_model(staging, seed=0, max_operand=synthetic.max_operand, task=synthetic.task, **shape)
+    model_config = ModelConfig(path=str(staging))
+    model, tokenizer = load_policy_model(model_config)
+    processor = load_policy_processor(model_config, tokenizer)
     steps, lr = (CALC_SFT_STEPS, CALC_SFT_LR) if calc else (SFT_STEPS, SFT_LR)
     log(f"[demo] warm-starting the tiny model with {steps} SFT steps (once; cached in {target})")
-    losses = run_sft(model, tokenizer, sft_examples(config), steps=steps, batch_size=SFT_BATCH, lr=lr, seed=0)
+    examples = sft_examples(config)
+    losses = run_sft(model, tokenizer, examples, steps=steps, batch_size=SFT_BATCH, lr=lr, seed=0, processor=processor)
     log(f"[demo] SFT loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     model.save_pretrained(staging, safe_serialization=True)
     tokenizer.save_pretrained(staging)

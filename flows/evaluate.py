@@ -36,7 +36,7 @@ from flows.workers import build_workers, step_workers
 from infra.cluster import connect
 from rl_core.agent.tools.registry import tool_schemas
 from rl_core.data.dataset import RLDataset
-from rl_core.models.loading import load_policy_tokenizer
+from rl_core.models.loading import load_policy_processor, load_policy_tokenizer
 from rl_core.ppo_step import StepWorkers, run_validation
 from rl_core.remote_folder import RemoteFolder, RemoteStorageError, is_remote
 from rl_core.reward.custom import load_custom_reward_function
@@ -126,8 +126,11 @@ def run_evaluation(
         check_no_redacted_values(config)
         apply_embedded_defaults(config)
         tokenizer = load_policy_tokenizer(config.actor_rollout_ref.model)
+        processor = load_policy_processor(config.actor_rollout_ref.model, tokenizer)
         tools = tool_schemas(config.actor_rollout_ref.rollout.multi_turn)
-        val_data = RLDataset(config.data.val_files, tokenizer, config.data, config.data.val_max_samples, tools)
+        val_data = RLDataset(
+            config.data.val_files, tokenizer, config.data, config.data.val_max_samples, tools, processor
+        )
         reward_manager = build_reward_manager(
             config, tokenizer, load_custom_reward_function(**config.custom_reward_function)
         )

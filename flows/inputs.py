@@ -13,8 +13,8 @@ from omegaconf import DictConfig
 from rl_core.agent.tools.registry import tool_schemas
 from rl_core.data.dataset import RLDataset
 from rl_core.data.sampler import ResumableSampler
-from rl_core.input_checks import InputError, vocabulary_problems
-from rl_core.models.loading import load_policy_tokenizer
+from rl_core.input_checks import InputError, image_problems, vocabulary_problems
+from rl_core.models.loading import load_policy_processor, load_policy_tokenizer
 from rl_core.ppo_step import resolved_total_steps
 from rl_core.reward.custom import load_custom_reward_function
 from rl_core.reward.manager import RewardManager, build_reward_manager
@@ -32,10 +32,13 @@ class TrainingInputs:
     @classmethod
     def load(cls, config: DictConfig) -> TrainingInputs:
         tokenizer = load_policy_tokenizer(config.actor_rollout_ref.model)
+        processor = load_policy_processor(config.actor_rollout_ref.model, tokenizer)
         tools = tool_schemas(config.actor_rollout_ref.rollout.multi_turn)
-        train_data = RLDataset(config.data.train_files, tokenizer, config.data, config.data.train_max_samples, tools)
-        val_data = RLDataset(config.data.val_files, tokenizer, config.data, config.data.val_max_samples, tools)
+        data = config.data
+        train_data = RLDataset(data.train_files, tokenizer, data, data.train_max_samples, tools, processor)
+        val_data = RLDataset(data.val_files, tokenizer, data, data.val_max_samples, tools, processor)
         problems = vocabulary_problems(config, tokenizer, [train_data, val_data])
+        problems += image_problems(config, [train_data, val_data])
         if problems:
             raise InputError("\n".join(problems))
         reward = load_custom_reward_function(**config.custom_reward_function)

@@ -50,6 +50,8 @@ RAW_PROMPT = "raw_prompt"  # the prompt's messages (the reward model re-template
 # multi-turn rollouts (rl_core.agent.runner)
 NUM_TURNS = "num_turns"  # verl's count: the prompt + assistant turns + tool answers (2 for a single turn)
 MULTI_TURN = "multi_turn"  # {"messages", "tool_calls", "finish_reason", "final_answer"} of the trajectory
+# a vision-language run: each row's processor tensors for the model, or None (rl_core.models.multimodal)
+MULTI_MODAL_INPUTS = "multi_modal_inputs"
 
 # ---------------------------------------------------------------------------------------------- meta info
 TEMPERATURE = "temperature"  # the sampling temperature (log-probs are of the distribution sampled)

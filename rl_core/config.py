@@ -47,7 +47,8 @@ COMPUTE_DTYPE_NAMES = {
 class SyntheticDataConfig:
     """The demo task (``data.train_files=null``, :mod:`rl_core.data.synthetic`): ``addition`` (``a+b=`` prompts with
     operands up to ``max_operand``) or ``calc`` (``a*b=`` with 2-digit operands, answered with the calculator tool: a
-    multi-turn rollout; its profile is ``configs/profile/demo_calc.yaml``)."""
+    multi-turn rollout; its profile is ``configs/profile/demo_calc.yaml``) or ``shapes`` (an image of coloured shapes:
+    which colour is the largest? A tiny vision-language model; ``configs/profile/demo_shapes.yaml``)."""
 
     task: str = "addition"
     train_size: int = 2000
@@ -72,6 +73,7 @@ class DataConfig:
     filter_overlong_prompts: bool = False
     truncation: str = "error"  # error | left | right: a prompt longer than max_prompt_length (when not filtered)
     use_chat_template: bool = True  # false (or a tokenizer without a template): prompts are tokenized as raw text
+    image_key: str = "images"  # a vision-language run's image column (rl_core.data.images)
     synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
 
 
@@ -108,6 +110,9 @@ class ModelConfig:
     lora_rank: int = 0  # > 0 trains a LoRA adapter instead of the full model
     lora_alpha: int = 16
     target_modules: Any = "all-linear"  # a module-name list or "all-linear"
+    # module names (a list) or a regex peft leaves without an adapter; null: none, or a vision-language model's image
+    # side (rl_core.models.multimodal.VISION_LORA_EXCLUDE: LoRA on the language part)
+    exclude_modules: Any = None
     lora_adapter_path: str | None = None  # start from a saved adapter
 
 
@@ -151,6 +156,7 @@ class ActorConfig:
     clip_ratio_c: float = 3.0  # dual-clip bound
     tau_pos: float = 1.0  # SAPO temperatures
     tau_neg: float = 1.05
+    freeze_vision_tower: bool = False  # a vision-language policy: train its language part only
     loss_agg_mode: str = "token-mean"
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False

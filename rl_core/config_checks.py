@@ -8,11 +8,12 @@ import math
 from typing import Any
 
 from rl_core.config import COMPUTE_DTYPE_NAMES, DEVICES
+from rl_core.data.synthetic import TASKS
 from rl_core.rollout_schedule import AGENT_BATCHING, SCHEDULES, check_async_training
 
 CHOICES = {
     "data.truncation": ("error", "left", "right"),
-    "data.synthetic.task": ("addition", "calc"),
+    "data.synthetic.task": TASKS,
     "actor_rollout_ref.model.dtype": tuple(name for name, dtype in COMPUTE_DTYPE_NAMES.items() if dtype),
     "actor_rollout_ref.actor.strategy": ("fsdp", "fsdp2"),
     "actor_rollout_ref.actor.optim.lr_scheduler_type": ("constant", "cosine"),

@@ -88,12 +88,15 @@ def on_worker_device(method: Callable) -> Callable:
     return wrapper
 
 
-def cuda_memory_metrics(device: str) -> dict[str, float]:
+def memory_metrics(device: str) -> dict[str, float]:
     """The worker process's peak CUDA memory since the last call (``perf/max_memory_allocated_gb``,
     ``perf/max_memory_reserved_gb``); the peaks are reset, so each step reports its own (the actor's update reports
-    them: its peak covers every role fused in the process). Empty on the CPU."""
+    them: its peak covers every role fused in the process). On the CPU the process's peak resident memory since it
+    started (``perf/max_rss_gb``: the kernel's high-water mark, not reset)."""
     if device != "cuda":
-        return {}
+        import resource
+
+        return {"perf/max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
     metrics = {
         "perf/max_memory_allocated_gb": torch.cuda.max_memory_allocated() / 2**30,
         "perf/max_memory_reserved_gb": torch.cuda.max_memory_reserved() / 2**30,

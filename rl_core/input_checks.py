@@ -161,6 +161,41 @@ def vllm_problems(config: Any) -> list[str]:
     return []
 
 
+def image_problems(config: Any, datasets: list[RLDataset]) -> list[str]:
+    """What a run whose prompts have images cannot do yet: sample them with vLLM, take turns with tools or agents (the
+    loop passes no images), train a critic (a value head on a vision-language model is not built)."""
+    if not any(dataset.images for dataset in datasets):
+        return []
+    rollout, problems = config.actor_rollout_ref.rollout, []
+    if rollout.name != "hf":
+        problems.append(
+            f"actor_rollout_ref.rollout.name={rollout.name}: prompts with images are sampled by the HF engine only "
+            "(vLLM's multimodal inputs are not wired yet); use actor_rollout_ref.rollout.name=hf"
+        )
+    if rollout.multi_turn.enable or rollout.agent.endpoint.function or rollout.agent.endpoint.command:
+        problems.append(
+            "prompts with images and a multi-turn rollout (tools or agents): the turns' generations are not given the "
+            "images yet; use a single-turn rollout for image prompts"
+        )
+    if use_critic(config):
+        problems.append(
+            f"algorithm.adv_estimator={config.algorithm.adv_estimator} trains a critic, which is not built for "
+            "vision-language models; use a critic-free estimator (grpo, rloo, reinforce_plus_plus, ...) as verl's "
+            "Qwen2.5-VL examples do"
+        )
+    return problems
+
+
+def _has_images(config: Any) -> bool:
+    """Whether the first row of the first training file has an image column (the datasets then load in the checks:
+    every image is decoded before the run starts)."""
+    files = _files(config.data.train_files)
+    try:
+        return bool(files) and config.data.image_key in (peek_rows(files[0], 1)[1] or [{}])[0]
+    except DatasetError:
+        return False
+
+
 def _vocabulary_may_overflow(config: Any) -> bool:
     """Whether the tokenizer's files name an id past a fed model's embedding rows (or name none): only then must the
     tokenizer be loaded and the prompts tokenized to tell (the sizes come from the folders' JSON files)."""
@@ -214,26 +249,28 @@ def tokenized_problems(config: Any) -> list[str]:
     """What only the policy's tokenizer tells, each checked on the prompts tokenized as the run's datasets will be:
     with ``data.truncation=error`` (and no filtering) a prompt longer than ``data.max_prompt_length``; a token id the
     run feeds a model past its embedding rows (:func:`vocabulary_problems`), looked at only when the tokenizer's files
-    name an id past the rows. Data the embedded demo makes (files left null) is checked when the run loads it."""
+    name an id past the rows; with images (:func:`image_problems`), every image decoded. Data the embedded demo makes
+    (files left null) is checked when the run loads it."""
     data = config.data
     check_lengths = data.truncation == "error" and not data.filter_overlong_prompts
     check_vocabulary = _vocabulary_may_overflow(config)
     demo_fills_in = config.actor_rollout_ref.model.path is None or data.train_files is None or data.val_files is None
-    if demo_fills_in or not (check_lengths or check_vocabulary):
+    if demo_fills_in or not (check_lengths or check_vocabulary or _has_images(config)):
         return []
     from rl_core.data.dataset import RLDataset
-    from rl_core.models.loading import load_policy_tokenizer
+    from rl_core.models.loading import load_policy_processor, load_policy_tokenizer
 
     tokenizer = load_policy_tokenizer(config.actor_rollout_ref.model)
+    processor = load_policy_processor(config.actor_rollout_ref.model, tokenizer)
     tools = tool_schemas(config.actor_rollout_ref.rollout.multi_turn)
     problems, datasets = [], []
     for key in ("data.train_files", "data.val_files"):
         try:
-            datasets.append(RLDataset(data[key.split(".")[1]], tokenizer, data, tools=tools))
+            datasets.append(RLDataset(data[key.split(".")[1]], tokenizer, data, tools=tools, processor=processor))
         except DatasetError as error:
             problems.append(f"{key}: {error}")
     if not problems:
-        problems += vocabulary_problems(config, tokenizer, datasets)
+        problems += vocabulary_problems(config, tokenizer, datasets) + image_problems(config, datasets)
     return problems
 
 

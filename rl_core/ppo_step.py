@@ -34,6 +34,7 @@ from rl_core.batch_fields import (
     ENTROPYS,
     GLOBAL_STEP,
     GREEDY,
+    MULTI_MODAL_INPUTS,
     MULTI_TURN,
     NUM_TURNS,
     OLD_LOG_PROBS,
@@ -103,11 +104,13 @@ def run_directly(name: str, fn: Callable, *args: Any) -> Any:
 
 
 def _for_workers(batch: Batch, *inputs: Batch) -> Batch:
-    """The sequence tensors of ``batch`` plus the tensors of ``inputs``, with the batch's meta info (temperature)."""
+    """The sequence tensors of ``batch`` plus the tensors of ``inputs``, with the batch's meta info (temperature) and
+    its images (a vision-language run's ``multi_modal_inputs``)."""
     tensors = {key: batch.tensors[key] for key in SEQUENCE}
     for extra in inputs:
         tensors.update(extra.tensors)
-    return Batch(tensors, meta_info=batch.meta_info)
+    images = {key: batch.non_tensors[key] for key in (MULTI_MODAL_INPUTS,) if key in batch.non_tensors}
+    return Batch(tensors, images, meta_info=batch.meta_info)
 
 
 def step_prompts(data: RLDataset, indices: list[int], step: int, generation_batch: int) -> Batch:

@@ -7,7 +7,8 @@ loss = mean over response tokens of -log p(token | prompt, previous response tok
 with the chat template and generation prompt exactly as the RL dataset renders it, and the response ends with
 the tokenizer's EOS so that the model learns to stop. A multi-turn response (assistant and tool messages) is encoded
 exactly as a multi-turn rollout builds it (:mod:`rl_core.agent.observations`): each assistant message + EOS is
-trained, the tool answers and the template's glue are not.
+trained, the tool answers and the template's glue are not. An example with images (a vision-language model's) renders
+its prompt with the processor, as the RL dataset does (:mod:`rl_core.data.images`), and its forward takes them.
 """
 
 from __future__ import annotations
@@ -18,13 +19,16 @@ from dataclasses import dataclass
 import torch
 
 from rl_core.agent.observations import ObservationEncoder
+from rl_core.data.images import encode_with_images, prompt_text
 from rl_core.models.logprob import token_log_probs
+from rl_core.models.multimodal import vision_model_inputs
 
 
 @dataclass
 class SFTExample:
     prompt: str | list[dict]  # chat messages or raw text
     response: str | list[dict]  # the answer, or the messages after the prompt (assistant / tool)
+    images: tuple = ()  # decoded images, one per <image> placeholder of the prompt (a processor is needed)
 
 
 def encode_turns(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
@@ -47,21 +51,30 @@ def encode_turns(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]
     return ids, mask
 
 
-def encode_example(tokenizer, example: SFTExample) -> tuple[list[int], list[int]]:
+def encode_example(tokenizer, example: SFTExample, processor=None) -> tuple[list[int], list[int]]:
     """(input ids, loss mask) of prompt + response + EOS; the mask is 1 on response tokens and EOS (on the assistant
     messages' tokens and EOS of a multi-turn response)."""
-    if isinstance(example.prompt, str) or tokenizer.chat_template is None:
-        prompt_text = (
-            example.prompt if isinstance(example.prompt, str) else "\n".join(m["content"] for m in example.prompt)
-        )
+    if example.images:
+        prompt_ids = encode_with_images(processor, example_text(processor, example), list(example.images))[0]
     else:
-        prompt_text = tokenizer.apply_chat_template(list(example.prompt), add_generation_prompt=True, tokenize=False)
-    prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+        if isinstance(example.prompt, str) or tokenizer.chat_template is None:
+            prompt = example.prompt
+            text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
+        else:
+            text = tokenizer.apply_chat_template(list(example.prompt), add_generation_prompt=True, tokenize=False)
+        prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if isinstance(example.response, list):
         response_ids, response_mask = encode_turns(tokenizer, example.response)
         return prompt_ids + response_ids, [0] * len(prompt_ids) + response_mask
     response_ids = tokenizer(example.response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     return prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids)
+
+
+def example_text(processor, example: SFTExample) -> str:
+    """An example with images: its prompt through the processor's chat template."""
+    if processor is None:
+        raise ValueError("an SFT example with images needs the model's processor (run_sft(..., processor=...))")
+    return prompt_text(processor, example.prompt, len(example.images), "an SFT example")
 
 
 def collate(encoded: Sequence[tuple[list[int], list[int]]], pad_token_id: int) -> dict[str, torch.Tensor]:
@@ -83,13 +96,15 @@ def collate(encoded: Sequence[tuple[list[int], list[int]]], pad_token_id: int) -
     }
 
 
-def sft_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Token-mean negative log-likelihood of the loss-mask tokens."""
+def sft_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], vision: dict | None = None) -> torch.Tensor:
+    """Token-mean negative log-likelihood of the loss-mask tokens; ``vision``: the rows' image inputs
+    (:func:`rl_core.models.multimodal.vision_model_inputs`; the model then computes its positions)."""
     logits = model(
         input_ids=batch["input_ids"],
         attention_mask=batch["attention_mask"],
-        position_ids=batch["position_ids"],
+        position_ids=None if vision else batch["position_ids"],
         use_cache=False,
+        **(vision or {}),
     ).logits
     log_probs = token_log_probs(logits[:, :-1], batch["input_ids"][:, 1:])
     mask = batch["loss_mask"][:, 1:]
@@ -105,16 +120,26 @@ def run_sft(
     lr: float = 3e-3,
     seed: int = 0,
     on_step: Callable[[int, float], None] | None = None,
+    processor=None,
 ) -> list[float]:
-    """``steps`` AdamW steps on random batches of ``examples``; returns the loss of each step."""
-    encoded = [encode_example(tokenizer, example) for example in examples]
+    """``steps`` AdamW steps on random batches of ``examples``; returns the loss of each step. ``processor``: a
+    vision-language model's, for examples with images."""
+    encoded = [encode_example(tokenizer, example, processor) for example in examples]
+    images = [
+        encode_with_images(processor, example_text(processor, example), list(example.images))[1]
+        if example.images
+        else None
+        for example in examples
+    ]
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     model.train()
     losses = []
     for step in range(steps):
         picked = torch.randint(0, len(encoded), (batch_size,), generator=generator).tolist()
-        loss = sft_loss(model, collate([encoded[i] for i in picked], tokenizer.pad_token_id))
+        batch = collate([encoded[i] for i in picked], tokenizer.pad_token_id)
+        vision = vision_model_inputs([images[i] for i in picked], batch["input_ids"], batch["attention_mask"])
+        loss = sft_loss(model, batch, vision)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -11,6 +11,11 @@ A row::
                                                ``tools_kwargs`` ({tool: {create_kwargs, execute_kwargs,
                                                calc_reward_kwargs, release_kwargs}}) go to its tool instances
 
+A row of a vision-language run also has images (``data.image_key``, verl's ``images`` column, one ``<image>``
+placeholder per image in the prompt: :mod:`rl_core.data.images`): its prompt goes through the checkpoint's processor
+(chat template, each placeholder expanded to the image's tokens), and its prompt batch carries the processor's
+tensors for the model (``pixel_values``, the image grid, ...) per row in ``multi_modal_inputs`` (verl's column).
+
 Prompts go through the tokenizer's chat template with the generation prompt appended; a plain-string prompt,
 ``data.use_chat_template=false``, or a tokenizer without a chat template (common for base models) tokenizes
 the raw text. Prompts longer than ``max_prompt_length`` are dropped (``filter_overlong_prompts``), or cut
@@ -32,11 +37,13 @@ from rl_core.batch_fields import (
     DATA_SOURCE,
     EXTRA_INFO,
     INPUT_IDS,
+    MULTI_MODAL_INPUTS,
     POSITION_IDS,
     RAW_PROMPT,
     REWARD_MODEL,
     UID,
 )
+from rl_core.data.images import encode_with_images, prompt_text, row_images
 from rl_core.data.rows import DatasetError, read_rows, validate_row
 
 
@@ -50,10 +57,14 @@ class RLDataset:
         data_config: Any,
         max_samples: int = -1,
         tools: list[dict] | None = None,
+        processor: Any | None = None,
     ):
         """``tools``: the OpenAI function schemas of a multi-turn run's tools, which the chat template shows the policy
-        (and which count towards ``max_prompt_length``)."""
+        (and which count towards ``max_prompt_length``); ``processor``: a vision-language checkpoint's
+        (:mod:`rl_core.models.processor`), for rows with images."""
         self.tokenizer = tokenizer
+        self.processor = processor
+        self.image_key = data_config.image_key
         self.tools = tools or None
         self.prompt_key = data_config.prompt_key
         self.max_prompt_length = int(data_config.max_prompt_length)
@@ -64,27 +75,36 @@ class RLDataset:
         filter_overlong = bool(data_config.filter_overlong_prompts)
         self.rows: list[dict] = []
         self.prompt_ids: list[list[int]] = []
+        self.images: dict[int, tuple[str, list]] = {}  # row -> (templated prompt, decoded images): rows with images
         self.num_filtered = 0
         for path in [files] if isinstance(files, (str, Path)) else list(files):
             for number, row in enumerate(read_rows(path)):
                 where = f"{path}: row {number}"
                 validate_row(row, where, self.prompt_key)
-                ids = self.tokenize_prompt(row[self.prompt_key])
+                images = row_images(row, self.image_key, where, Path(path).parent)
+                if images:
+                    text, ids = self.tokenize_with_images(row[self.prompt_key], images, where)
+                else:
+                    ids = self.tokenize_prompt(row[self.prompt_key])
                 if len(ids) > self.max_prompt_length:
                     if filter_overlong:
                         self.num_filtered += 1
                         continue
-                    if self.truncation == "error":
+                    if self.truncation == "error" or images:
                         raise DatasetError(
                             f"{where}: the prompt has {len(ids)} tokens > "
                             f"data.max_prompt_length={self.max_prompt_length}; raise max_prompt_length, set "
-                            "data.filter_overlong_prompts=true or data.truncation=left|right"
+                            "data.filter_overlong_prompts=true"
+                            + (" (a prompt with images is never cut)" if images else " or data.truncation=left|right")
                         )
                     ids = ids[-self.max_prompt_length :] if self.truncation == "left" else ids[: self.max_prompt_length]
+                if images:
+                    self.images[len(self.rows)] = (text, images)
                 self.rows.append(row)
                 self.prompt_ids.append(ids)
         if max_samples is not None and max_samples > 0:
             self.rows, self.prompt_ids = self.rows[:max_samples], self.prompt_ids[:max_samples]
+            self.images = {row: found for row, found in self.images.items() if row < max_samples}
         if not self.rows:
             raise DatasetError(
                 f"{files}: no usable rows ({self.num_filtered} filtered as longer than {self.max_prompt_length} tokens)"
@@ -102,6 +122,24 @@ class RLDataset:
             )
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
+    def tokenize_with_images(self, prompt: str | list[dict], images: list, where: str) -> tuple[str, list[int]]:
+        """(templated text, token ids) of a prompt with images: the processor's chat template, each ``<image>``
+        placeholder expanded to its image's tokens."""
+        if self.processor is None:
+            raise DatasetError(
+                f"{where} has images ({self.image_key}) but the policy's checkpoint is a text-only model (no image "
+                "processor in its folder); use a vision-language checkpoint, or rows without images"
+            )
+        text = prompt_text(self.processor, prompt, len(images), where, self.tools)
+        return text, encode_with_images(self.processor, text, images)[0]
+
+    def vision_inputs(self, index: int) -> dict[str, torch.Tensor] | None:
+        """Row ``index``'s multimodal model inputs (:func:`rl_core.data.images.encode_with_images`), or None for a row
+        without images."""
+        if index not in self.images:
+            return None
+        return encode_with_images(self.processor, *self.images[index])[1]
+
     def collate(self, indices: list[int], uid_prefix: str = "") -> Batch:
         """Left-pad the prompts of ``indices`` to ``max_prompt_length``; uid = ``uid_prefix`` + row number."""
         pad_id = self.tokenizer.pad_token_id
@@ -116,6 +154,8 @@ class RLDataset:
             UID: [f"{uid_prefix}{i}" for i in indices],
             AGENT_NAME: [r.get("agent_name") or "" for r in rows],
         }
+        if any(i in self.images for i in indices):
+            non_tensors[MULTI_MODAL_INPUTS] = [self.vision_inputs(i) for i in indices]
         return Batch(tensors, non_tensors)
 
 

@@ -18,7 +18,7 @@ import random
 
 DATA_SOURCE = "ppoflow/addition"
 CALC_DATA_SOURCE = "ppoflow/calc"
-TASKS = ("addition", "calc")
+TASKS = ("addition", "calc", "shapes")
 CALL, END_CALL = "<call>", "</call>"  # the calc task's call markers: special tokens of its tiny tokenizer
 CALC_OPERANDS = (10, 99)
 
@@ -75,3 +75,52 @@ def calc_transcript(row: dict, use_tool: bool) -> list[dict[str, str]]:
         {"role": "tool", "content": answer},
         {"role": "assistant", "content": answer},
     ]
+
+
+# ---------------------------------------------------------------------------------------------- the visual task
+SHAPES_DATA_SOURCE = "ppoflow/shapes"
+SHAPES_QUESTION = "Which colour is the largest shape?"
+COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (225, 200, 30)}
+SHAPES_IMAGE_SIZE = 48  # pixels, square; the tiny VLMs' patches are 8 pixels wide
+SHAPES_PER_IMAGE = 3
+
+
+def shapes_image(rng: random.Random) -> tuple[bytes, list[str]]:
+    """A PNG of ``SHAPES_PER_IMAGE`` squares and discs of different colours on a grey ground, the largest at least
+    twice the area of any other (drawn last, so nothing hides it), and the shapes' colours, the largest's last."""
+    import io
+
+    from PIL import Image, ImageDraw
+
+    colours = rng.sample(sorted(COLOURS), SHAPES_PER_IMAGE)
+    sides = sorted(rng.sample(range(6, 12), SHAPES_PER_IMAGE - 1)) + [rng.randint(18, 26)]
+    image = Image.new("RGB", (SHAPES_IMAGE_SIZE, SHAPES_IMAGE_SIZE), (128, 128, 128))
+    draw = ImageDraw.Draw(image)
+    for colour, side in zip(colours, sides):
+        x, y = rng.randint(0, SHAPES_IMAGE_SIZE - side), rng.randint(0, SHAPES_IMAGE_SIZE - side)
+        box = (x, y, x + side - 1, y + side - 1)
+        (draw.rectangle if rng.random() < 0.5 else draw.ellipse)(box, fill=COLOURS[colour])
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue(), colours
+
+
+def shapes_rows(count: int, seed: int, split: str = "train") -> list[dict]:
+    """``count`` generated images with the question which colour the largest shape has, in verl's multimodal format
+    (an ``<image>`` placeholder in the prompt, the image's PNG bytes in the ``images`` column; ``extra_info.colours``:
+    every shape's colour), deterministic in ``seed``."""
+    rng = random.Random(f"shapes-{split}-{seed}")
+    rows = []
+    for index in range(count):
+        png, colours = shapes_image(rng)
+        rows.append(
+            {
+                "data_source": SHAPES_DATA_SOURCE,
+                "prompt": [{"role": "user", "content": f"<image>{SHAPES_QUESTION}"}],
+                "images": [{"bytes": png}],
+                "ability": "vision",
+                "reward_model": {"style": "rule", "ground_truth": colours[-1]},
+                "extra_info": {"split": split, "index": index, "colours": colours},
+            }
+        )
+    return rows

@@ -13,3 +13,7 @@ FAMILIES = {
     "qwen3_moe": ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
     "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
 }
+
+# the vision-language families (rl_core.models.tiny_vlm): transformers' image-text-to-text models, loaded by the same
+# pipeline
+VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "llava")

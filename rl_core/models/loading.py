@@ -189,6 +189,19 @@ def load_policy_tokenizer(model_config: Any) -> PreTrainedTokenizerBase:
     )
 
 
+def load_policy_processor(model_config: Any, tokenizer: PreTrainedTokenizerBase) -> Any | None:
+    """The policy's multimodal processor (:mod:`rl_core.models.processor`) with its ``tokenizer``, or None for a
+    text-only checkpoint."""
+    from rl_core.models.processor import load_processor
+
+    return load_processor(
+        local_model_path(model_config.tokenizer_path or model_config.path, "model.tokenizer_path"),
+        tokenizer,
+        bool(model_config.trust_remote_code),
+        model_config.custom_chat_template,
+    )
+
+
 def has_attention(model_class: type, implementation: str) -> bool:
     """Whether ``model_class`` declares the attention ``implementation`` (eager attention: every model)."""
     flags = ATTENTION_SUPPORT[implementation]
@@ -352,7 +365,20 @@ def load_warnings() -> Iterator[list[str]]:
 def padding_free_works(model: torch.nn.Module, setting: str) -> bool:
     """Whether the padding-free forward gives ``model``'s padded results
     (:func:`rl_core.models.logprob.padding_free_mismatch`
-    within float32 or half-precision noise); when not, a ModelLoadWarning says that padded batches are used instead."""
+    within float32 or half-precision noise); when not, a ModelLoadWarning says that padded batches are used instead.
+    A vision-language model runs padded (its image positions are computed from a padded batch's attention mask), said
+    once."""
+    from rl_core.models.multimodal import is_vision_language
+
+    if is_vision_language(model):
+        warnings.warn(
+            ModelLoadWarning(
+                f"{type(model).__name__} takes images: its batches run padded (the padding-free forward would need "
+                f"each packed row's image positions), as {setting}=false does"
+            ),
+            stacklevel=2,
+        )
+        return False
     mismatch = padding_free_mismatch(model)
     tolerance = 1e-3 if next(model.parameters()).dtype == torch.float32 else 0.1
     if mismatch <= tolerance:

@@ -21,6 +21,7 @@ import torch
 import torch.utils.checkpoint
 
 from rl_core.algos.entropy import entropy_from_logits
+from rl_core.models.multimodal import without_placeholders
 
 
 def _chunk_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -61,9 +62,16 @@ def response_log_probs(
     calculate_entropy: bool = False,
     remove_padding: bool = True,
     entropy_chunk_size: int | None = 2048,
+    vision: dict[str, torch.Tensor] | None = None,
+    placeholders: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(log_probs, entropy or None), each (batch, response_length), for the response part of ``input_ids``."""
+    """(log_probs, entropy or None), each (batch, response_length), for the response part of ``input_ids``.
+    ``vision``: a vision-language model's image inputs (:func:`rl_core.models.multimodal.vision_model_inputs`); with
+    them the forward is padded and the model computes its own positions. ``placeholders``: its image placeholder ids,
+    which the rollout never samples (probability 0 here too)."""
     temperature = temperature if temperature and temperature > 0 else 1.0
+    if vision:
+        remove_padding, position_ids = False, None
     if remove_padding:
         valid = attention_mask.bool()
         packed_ids = input_ids[valid].unsqueeze(0)
@@ -71,7 +79,7 @@ def response_log_probs(
         logits = model(
             input_ids=packed_ids, position_ids=packed_positions, attention_mask=None, use_cache=False
         ).logits[0]
-        logits = logits / temperature
+        logits = without_placeholders(logits / temperature, placeholders or [])
         # the logits at packed position i predict the token at i + 1; roll so each token gets its own log-prob
         next_token_log_probs = token_log_probs(logits, torch.roll(packed_ids[0], shifts=-1))
         log_probs = torch.zeros(input_ids.shape, dtype=next_token_log_probs.dtype, device=input_ids.device)
@@ -86,9 +94,14 @@ def response_log_probs(
 
     extra = {"logits_to_keep": response_length + 1} if _accepts(model, "logits_to_keep") else {}
     logits = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **extra
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+        **extra,
+        **(vision or {}),
     ).logits
-    logits = logits[:, -response_length - 1 : -1] / temperature
+    logits = without_placeholders(logits[:, -response_length - 1 : -1] / temperature, placeholders or [])
     log_probs = token_log_probs(logits, input_ids[:, -response_length:])
     entropy = entropy_from_logits(logits, entropy_chunk_size) if calculate_entropy else None
     return log_probs, entropy

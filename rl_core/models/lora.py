@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from rl_core.models.loading import ModelLoadError
+from rl_core.models.multimodal import VISION_LORA_EXCLUDE, is_vision_language
 
 CRITIC_HEADS = ("score", "classifier", "value_head")  # the module that turns a critic's hidden states into values
 
@@ -46,6 +47,10 @@ def apply_lora(model: torch.nn.Module, model_config: Any, task_type: str = "CAUS
     # token-classification task trains `score` / `classifier` whole; the value head ppoflow adds to bodies without a
     # token-classification class is named here.
     heads = [name for name in CRITIC_HEADS if isinstance(getattr(model, name, None), torch.nn.Module)]
+    # a vision-language model: the adapter goes on the language part (model.exclude_modules chooses otherwise)
+    exclude = heads or getattr(model_config, "exclude_modules", None)
+    if not exclude and is_vision_language(model):
+        exclude = VISION_LORA_EXCLUDE
     lora_config = LoraConfig(
         r=rank,
         lora_alpha=int(model_config.lora_alpha),
@@ -54,7 +59,7 @@ def apply_lora(model: torch.nn.Module, model_config: Any, task_type: str = "CAUS
         bias="none",
         task_type=task_type,
         modules_to_save=heads or None,
-        exclude_modules=heads or None,
+        exclude_modules=exclude if isinstance(exclude, str) or exclude is None else list(exclude),
     )
     return get_peft_model(model, lora_config)
 

@@ -8,6 +8,9 @@
   math_dapo, math, math_dapo_reasoning, aime*     Minerva's rules: ``{"score": 1.0 | -1.0, "acc", "pred"}``
   ppoflow/addition                                the demo task: the first integer of the response
   ppoflow/calc                                    the tool demo: the last assistant message is the product
+  ppoflow/shapes                                  the visual demo: the response's first word is the colour
+  hiyouga/geometry3k                              verl's geo3k: 0.9 x the boxed answer is right (the MATH rules;
+                                                  verl grades with mathruler) + 0.1 x the <think>...</think> format
 With ``lenient=True`` (``reward.lenient_answers``) gsm8k also accepts a trailing period after the number and a
 ground truth written with commas, and the MATH sources are judged by math-verify when it is installed.
 """
@@ -61,6 +64,22 @@ def calc_score(solution_str: str, ground_truth: str, extra_info: dict | None) ->
     return 1.0 if str(answer).strip() == str(ground_truth) else 0.0
 
 
+def shapes_score(solution_str: str, ground_truth: str) -> float:
+    """1.0 if the response's first word (case and punctuation aside) is the ground truth's colour, else 0.0."""
+    words = re.findall(r"[a-z]+", solution_str.lower())
+    return 1.0 if words and words[0] == str(ground_truth).lower() else 0.0
+
+
+GEO3K_SOURCE, GEO3K_FORMAT = "hiyouga/geometry3k", re.compile(r"<think>.*</think>.*\\boxed\{.*\}.*", re.DOTALL)
+
+
+def geo3k_score(solution_str: str, ground_truth: str, format_score: float = 0.1) -> float:
+    """verl's geo3k score: (1 - format_score) x [the last boxed answer equals the ground truth] + format_score x [the
+    response is ``<think>...</think>`` then a boxed answer]."""
+    formatted = 1.0 if GEO3K_FORMAT.fullmatch(solution_str) else 0.0
+    return (1.0 - format_score) * hendrycks_math_score(solution_str, str(ground_truth)) + format_score * formatted
+
+
 def default_compute_score(
     data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None, lenient: bool = False
 ) -> float | dict:
@@ -79,8 +98,12 @@ def default_compute_score(
         return addition_score(solution_str, ground_truth)
     if data_source == synthetic.CALC_DATA_SOURCE:
         return calc_score(solution_str, ground_truth, extra_info)
+    if data_source == synthetic.SHAPES_DATA_SOURCE:
+        return shapes_score(solution_str, ground_truth)
+    if data_source == GEO3K_SOURCE:
+        return geo3k_score(solution_str, ground_truth)
     known = [gsm8k.DATA_SOURCE, *HENDRYCKS_MATH_SOURCES, *DAPO_MATH_SOURCES, "aime*", synthetic.DATA_SOURCE]
-    known.append(synthetic.CALC_DATA_SOURCE)
+    known += [synthetic.CALC_DATA_SOURCE, synthetic.SHAPES_DATA_SOURCE, GEO3K_SOURCE]
     raise ValueError(
         f"no rule scorer for data_source={data_source!r} (built in: {known}); set custom_reward_function.path to a "
         "file defining compute_score(data_source, solution_str, ground_truth, extra_info)"

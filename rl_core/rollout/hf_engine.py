@@ -40,7 +40,8 @@ from transformers import (
 )
 
 from rl_core.batch import Batch
-from rl_core.batch_fields import INPUT_IDS, TEMPERATURE
+from rl_core.batch_fields import INPUT_IDS, MULTI_MODAL_INPUTS, TEMPERATURE
+from rl_core.models.multimodal import placeholder_token_ids, vision_model_inputs, without_placeholders
 from rl_core.rollout.base import (
     SamplingParams,
     TokenSample,
@@ -69,6 +70,16 @@ def sampling_processors(params: SamplingParams) -> list[LogitsProcessor]:
     if params.top_p < 1.0:
         processors.append(TopPLogitsWarper(params.top_p))
     return processors
+
+
+class SuppressPlaceholders(LogitsProcessor):
+    """A vision-language model's image placeholder ids are never sampled (:func:`without_placeholders`)."""
+
+    def __init__(self, token_ids: list[int]) -> None:
+        self.token_ids = token_ids
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        return without_placeholders(scores, self.token_ids)
 
 
 class SampledTokenLogProbs(LogitsProcessor):
@@ -122,6 +133,7 @@ class HFRolloutEngine:
         self.chunk_size = int(rollout_config.generation_batch_size)
         self.stop_token_ids = stop_token_ids(tokenizer, rollout_config)
         self.pad_token_id = tokenizer.pad_token_id
+        self.placeholders = placeholder_token_ids(model)  # a vision-language model's: never sampled
         self.newer_weights: NewerWeights | None = None  # partial rollout (set by a rollout worker of its own)
 
     @contextlib.contextmanager
@@ -142,28 +154,43 @@ class HFRolloutEngine:
         params = sampling_params(self.config, prompts.meta_info)
         rank = data_parallel_rank()
         contexts = prompt_contexts(prompts)
+        vision = prompts.non_tensors.get(MULTI_MODAL_INPUTS)
         width = prompts.tensors[INPUT_IDS].shape[1]
         samples: list[TokenSample] = []
         with self.rollout(prompts.meta_info):
             for chunk, start in enumerate(range(0, len(contexts), self.chunk_size)):
                 part = contexts[start : start + self.chunk_size]
                 seed = sampling_seed(self.config, prompts.meta_info, rank, chunk)
-                samples += self.generate_tokens(part, [self.response_length] * len(part), params, seed, width)
+                images = None if vision is None else list(vision[start : start + self.chunk_size])
+                samples += self.generate_tokens(part, [self.response_length] * len(part), params, seed, width, images)
         out = assemble_samples(prompts, samples, self.response_length, self.pad_token_id)
         out.meta_info[TEMPERATURE] = params.temperature
         return out
 
     def generate_tokens(
-        self, contexts: list[list[int]], max_new_tokens: list[int], params: SamplingParams, seed: int, width: int = 0
+        self,
+        contexts: list[list[int]],
+        max_new_tokens: list[int],
+        params: SamplingParams,
+        seed: int,
+        width: int = 0,
+        vision: list[dict | None] | None = None,
     ) -> list[TokenSample]:
         """One continuation per context (see :class:`rl_core.rollout.base.TokenEngine`), at most ``max_new_tokens[i]``
-        tokens; with partial rollout taking newer weights on the way (:meth:`_draw_taking_newer_weights`)."""
+        tokens; with partial rollout taking newer weights on the way (:meth:`_draw_taking_newer_weights`). ``vision``:
+        each context's image inputs (its prompt's ``multi_modal_inputs``) for a vision-language model."""
         if self.newer_weights is None:
-            return self._draw(contexts, max_new_tokens, params, seed, width)
-        return self._draw_taking_newer_weights(contexts, max_new_tokens, params, seed, width)
+            return self._draw(contexts, max_new_tokens, params, seed, width, vision=vision)
+        return self._draw_taking_newer_weights(contexts, max_new_tokens, params, seed, width, vision)
 
     def _draw_taking_newer_weights(
-        self, contexts: list[list[int]], max_new_tokens: list[int], params: SamplingParams, seed: int, width: int
+        self,
+        contexts: list[list[int]],
+        max_new_tokens: list[int],
+        params: SamplingParams,
+        seed: int,
+        width: int,
+        vision: list[dict | None] | None = None,
     ) -> list[TokenSample]:
         """Partial rollout: drawn until newer weights are offered, which are then taken, the unfinished rows going on
         (context + tokens so far) in the next segment; each token tagged with the version that sampled it. Nothing
@@ -179,6 +206,7 @@ class HFRolloutEngine:
                 continuation_seed(seed, segment),
                 width,
                 stopping=stop,
+                vision=None if vision is None else [vision[row] for row in rows],
             )
             for row, part in zip(rows, drawn):
                 sample = samples[row]
@@ -205,10 +233,11 @@ class HFRolloutEngine:
         seed: int,
         width: int = 0,
         stopping: StoppingCriteria | None = None,
+        vision: list[dict | None] | None = None,
     ) -> list[TokenSample]:
         """One continuation per context: the contexts are left-padded to one tensor (at least ``width`` wide),
         sampled together for the largest budget (or until ``stopping`` ends the call), and each row is cut at its
-        first stop token and its own budget."""
+        first stop token and its own budget. ``vision``: each context's image inputs."""
         width = max(width, max(len(context) for context in contexts))
         device = next(self.model.parameters()).device
         input_ids = torch.full((len(contexts), width), self.pad_token_id, dtype=torch.long)
@@ -217,6 +246,7 @@ class HFRolloutEngine:
             input_ids[row, width - len(context) :] = torch.tensor(context, dtype=torch.long)
             attention_mask[row, width - len(context) :] = 1
         recorder = SampledTokenLogProbs() if self.config.calculate_log_probs else None
+        images = vision_model_inputs(vision, input_ids.to(device), attention_mask.to(device))
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(seed)
             sequences = self.model.generate(
@@ -235,8 +265,13 @@ class HFRolloutEngine:
                 use_cache=True,
                 cache_implementation=None if self.config.enforce_eager else "static",
                 disable_compile=bool(self.config.enforce_eager),
-                logits_processor=LogitsProcessorList(sampling_processors(params) + ([recorder] if recorder else [])),
+                logits_processor=LogitsProcessorList(
+                    ([SuppressPlaceholders(self.placeholders)] if self.placeholders else [])
+                    + sampling_processors(params)
+                    + ([recorder] if recorder else [])
+                ),
                 stopping_criteria=StoppingCriteriaList([stopping] if stopping else []),
+                **images,
             )
         generated = sequences[:, width:]
         log_probs = recorder.log_probs(generated).tolist() if recorder is not None else None

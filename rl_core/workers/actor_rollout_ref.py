@@ -39,6 +39,7 @@ from rl_core.batch_fields import (
     ATTENTION_MASK,
     ENTROPYS,
     INPUT_IDS,
+    MULTI_MODAL_INPUTS,
     OLD_LOG_PROBS,
     POSITION_IDS,
     REF_LOG_PROB,
@@ -51,11 +52,12 @@ from rl_core.batch_fields import (
 )
 from rl_core.checkpoint import rng_state, set_rng_state
 from rl_core.config_access import config_get
-from rl_core.device import autocast, compute_dtype, cuda_memory_metrics, on_worker_device
+from rl_core.device import autocast, compute_dtype, memory_metrics, on_worker_device
 from rl_core.models.flops import update_mfu
 from rl_core.models.loading import ModelLoadWarning, load_policy_model, load_warnings, padding_free_works
 from rl_core.models.logprob import response_log_probs
 from rl_core.models.lora import adapter_disabled, apply_lora, uses_lora
+from rl_core.models.multimodal import freeze_vision_tower, placeholder_token_ids, vision_model_inputs
 from rl_core.models.optim import build_lr_scheduler, build_optimizer
 from rl_core.rollout import build_rollout_engine
 from rl_core.rollout.partial import NewerWeights
@@ -201,6 +203,8 @@ class ActorRolloutRefWorker:
                 self.remove_padding = self.remove_padding and padding_free_works(
                     model.to(self.device), "actor_rollout_ref.model.use_remove_padding"
                 )
+                if self.is_actor and self.actor_config.freeze_vision_tower:
+                    freeze_vision_tower(model)
                 self.module = shard_module(
                     apply_lora(model, self.model_config).to(self.device), fsdp_config, self.compute_dtype
                 )
@@ -374,7 +378,7 @@ class ActorRolloutRefWorker:
                 self.compute_dtype,
             )
         )
-        metrics.update(cuda_memory_metrics(self.device))
+        metrics.update(memory_metrics(self.device))
         self.lr_scheduler.step()
         self.steps_trained += 1
         return metrics
@@ -464,6 +468,9 @@ class ActorRolloutRefWorker:
 
     # ------------------------------------------------------------------ helpers
     def _micro_log_probs(self, module: torch.nn.Module, micro: Batch, temperature: float, calculate_entropy: bool):
+        vision = vision_model_inputs(
+            micro.non_tensors.get(MULTI_MODAL_INPUTS), micro.tensors[INPUT_IDS], micro.tensors[ATTENTION_MASK]
+        )
         with autocast(self.device, self.compute_dtype):
             return response_log_probs(
                 module,
@@ -475,6 +482,8 @@ class ActorRolloutRefWorker:
                 calculate_entropy=calculate_entropy,
                 remove_padding=self.remove_padding,
                 entropy_chunk_size=int(self.actor_config.entropy_from_logits_chunk_size),
+                vision=vision,
+                placeholders=placeholder_token_ids(module),
             )
 
     def _log_probs(
