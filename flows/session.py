@@ -41,7 +41,7 @@ from flows.resume import (
     workers_config_digest,
 )
 from flows.stages import BackgroundRun, StageRunner, flush_reported_runs, run_phase
-from flows.step_report import console_line, samples_table, validation_summary
+from flows.step_report import console_line, samples_table, validation_images, validation_summary
 from flows.tracking import PREFECT_FLOW_RUN_TAG, PREFECT_UI_TAG, RunTracker, mark_killed, tracking_uri
 from flows.workers import (
     ROLLOUT_PREFIX,
@@ -62,7 +62,14 @@ from rl_core.algos.kl import get_kl_controller
 from rl_core.batch import Batch
 from rl_core.batch_fields import ATTENTION_MASK
 from rl_core.data.sampler import ResumableSampler
-from rl_core.ppo_step import StepWorkers, generation_on, retry_safe_stages, run_ppo_step, run_validation
+from rl_core.ppo_step import (
+    StepWorkers,
+    generation_on,
+    retry_safe_stages,
+    run_directly,
+    run_ppo_step,
+    run_validation,
+)
 from rl_core.rollout_schedule import GenerationWindow
 from rl_core.separate_rollout import SeparateRollout
 from rl_core.step_checkpoint import CheckpointError, FolderLock, run_checkpoints
@@ -96,6 +103,7 @@ class Progress:
 
 WORKERS_CONFIG_TAG = "ppoflow.workers_config"  # the digest of the config the run's live workers were built from
 CHECKPOINT_PARTS = {"actor_rollout_ref": "actor", "critic": "critic"}  # a role's folder in a step checkpoint
+VALIDATION_IMAGES = 8  # a vision-language run's validation samples logged with their images, each validation
 
 
 def every(step: int, freq: int, last: int) -> bool:
@@ -343,7 +351,13 @@ class TrainingSession:
     def validate(self) -> dict[str, float]:
         """Greedy validation on the validation set (``actor_rollout_ref.rollout.val_kwargs``), the task run
         ``step-<step>/validate``: its metrics and its seconds (verl's ``timing_s/testing``)."""
-        inputs, started = self.inputs, time.perf_counter()
+        inputs, started, step = self.inputs, time.perf_counter(), self.run_stage.step
+
+        def log_images(batch: Batch) -> None:  # a vision-language run: a few samples with their images
+            table = validation_images(batch, inputs.tokenizer, VALIDATION_IMAGES)
+            if table is not None:
+                self.tracker.log_validation_images(step, table)
+
         self.val_metrics = run_phase(
             "validate",
             run_validation,
@@ -351,7 +365,10 @@ class TrainingSession:
             self.workers,
             inputs.val_data,
             inputs.reward_manager,
-            step=self.run_stage.step,
+            run_directly,
+            None,  # the config's val_kwargs
+            log_images,
+            step=step,
         )
         return {**self.val_metrics, "timing_s/testing": time.perf_counter() - started}
 

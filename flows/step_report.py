@@ -1,14 +1,17 @@
-"""What a training step shows besides MLflow's metrics: the console line (and the Prefect flow run's Logs tab), and
-the rollout samples table the inspector page reads."""
+"""What a training step shows besides MLflow's metrics: the console line (and the Prefect flow run's Logs tab), the
+rollout samples table the inspector page reads, and a vision-language run's validation samples with their images."""
 
 from __future__ import annotations
 
+import base64
+import io
 from typing import Any
 
 from rl_core.batch import Batch, response_ends
 from rl_core.batch_fields import (
     ADVANTAGES,
     ATTENTION_MASK,
+    MULTI_MODAL_DATA,
     MULTI_TURN,
     OLD_LOG_PROBS,
     PROMPTS,
@@ -20,6 +23,20 @@ from rl_core.batch_fields import (
     TOKEN_LEVEL_SCORES,
     UID,
 )
+
+THUMBNAIL_PIXELS = 96  # the longer side of an image in the samples table
+
+
+def thumbnail_urls(data: dict | None) -> list[str]:
+    """A row's images (its ``multi_modal_data``) as PNG data URLs at most THUMBNAIL_PIXELS on a side."""
+    urls = []
+    for image in (data or {}).get("image", []):
+        small = image.copy()
+        small.thumbnail((THUMBNAIL_PIXELS, THUMBNAIL_PIXELS))
+        out = io.BytesIO()
+        small.save(out, format="PNG")
+        urls.append("data:image/png;base64," + base64.b64encode(out.getvalue()).decode())
+    return urls
 
 
 def validation_summary(metrics: dict[str, float]) -> str:
@@ -89,7 +106,8 @@ def samples_table(batch: Batch, tokenizer: Any, count: int) -> dict[str, list]:
     (``uid``), ``ground_truth``, ``response_length``, score, advantage, and per response token its text
     (:func:`token_texts`), advantage and (with a reference policy) KL estimate ``old_log_prob - ref_log_prob`` (the
     inspector colours tokens by them); for multi-turn rollouts also whether each token is the policy's
-    (``token_from_policy``: 0 on tool answers) and each sample's ``tool_calls``."""
+    (``token_from_policy``: 0 on tool answers) and each sample's ``tool_calls``; with images, each sample's
+    thumbnails (``images``: :func:`thumbnail_urls`)."""
     rows = sample_rows(batch, count)
     tensors, objects = batch.tensors, batch.non_tensors
     lengths = response_ends(tensors[RESPONSE_MASK]).tolist()
@@ -125,4 +143,24 @@ def samples_table(batch: Batch, tokenizer: Any, count: int) -> dict[str, list]:
             ]
             for r in rows
         ]
+    if MULTI_MODAL_DATA in objects:
+        table["images"] = [thumbnail_urls(objects[MULTI_MODAL_DATA][r]) for r in rows]
     return table
+
+
+def validation_images(batch: Batch, tokenizer: Any, count: int) -> dict[str, list] | None:
+    """The first ``count`` validation samples that have images, as a table MLflow shows with its image column: the
+    first image, the question, the response, the ground truth and the score; None without images."""
+    data = batch.non_tensors.get(MULTI_MODAL_DATA)
+    rows = [r for r, row in enumerate(data) if row and row.get("image")][:count] if data is not None else []
+    if not rows:
+        return None
+    lengths = response_ends(batch.tensors[RESPONSE_MASK]).tolist()
+    truths = batch.non_tensors[REWARD_MODEL]
+    return {
+        "image": [data[r]["image"][0] for r in rows],
+        "question": [question_text(batch.non_tensors[RAW_PROMPT][r]) for r in rows],
+        "response": [tokenizer.decode(batch.tensors[RESPONSES][r, : lengths[r]], True) for r in rows],
+        "ground_truth": [str(truths[r].get("ground_truth")) for r in rows],
+        "score": [float(batch.tensors[TOKEN_LEVEL_SCORES][r].sum()) for r in rows],
+    }

@@ -217,6 +217,11 @@ class RunTracker:
         self.flush()
         self.client.log_table(self.run_id, data=samples, artifact_file=f"samples/step_{step:06d}.json")
 
+    def log_validation_images(self, step: int, table: dict[str, list]) -> None:
+        """A few validation samples with their images (:func:`flows.step_report.validation_images`): MLflow's
+        artifact view shows the table with the images."""
+        self.client.log_table(self.run_id, data=table, artifact_file=f"validation/step_{step:06d}.json")
+
     def set_tags(self, tags: dict[str, Any]) -> None:
         self.flush()
         self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])

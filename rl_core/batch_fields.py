@@ -52,6 +52,7 @@ NUM_TURNS = "num_turns"  # verl's count: the prompt + assistant turns + tool ans
 MULTI_TURN = "multi_turn"  # {"messages", "tool_calls", "finish_reason", "final_answer"} of the trajectory
 # a vision-language run: each row's processor tensors for the model, or None (rl_core.models.multimodal)
 MULTI_MODAL_INPUTS = "multi_modal_inputs"
+MULTI_MODAL_DATA = "multi_modal_data"  # verl's: each row's {"image": [decoded images]}, or None (the samples' views)
 
 # ---------------------------------------------------------------------------------------------- meta info
 TEMPERATURE = "temperature"  # the sampling temperature (log-probs are of the distribution sampled)

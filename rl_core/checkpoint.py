@@ -94,7 +94,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def save_model_weights(
     model: torch.nn.Module, tokenizer: Any, folder: str | Path, state_dict: dict[str, torch.Tensor] | None = None
 ) -> None:
-    """``save_pretrained`` in safetensors: a loadable HF checkpoint, or the LoRA adapter for a peft model.
+    """``save_pretrained`` in safetensors: a loadable HF checkpoint, or the LoRA adapter for a peft model, with
+    ``tokenizer`` (or a vision-language model's processor, which saves its tokenizer too).
 
     ``state_dict`` gives the full weights when the module is sharded (call on rank 0 only).
     """

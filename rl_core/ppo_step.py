@@ -378,10 +378,11 @@ def run_validation(
     reward_manager: RewardManager,
     run_stage: Callable = run_directly,
     val_kwargs: dict[str, Any] | None = None,
+    on_scored: Callable[[Batch], None] | None = None,
 ) -> Metrics:
     """Rollouts with ``val_kwargs`` (the config's ``rollout.val_kwargs`` unless an evaluation gives its own; greedy by
     default) on the validation set, scored like training (reward model included): ``val-core/<data_source>/acc/mean@n``
-    and pass@k."""
+    and pass@k. ``on_scored`` is given the scored samples (the run logs a few with their images)."""
     val_kwargs = dict(val_kwargs or config.actor_rollout_ref.rollout.val_kwargs)
     n = int(val_kwargs["n"])
     size = config.data.val_batch_size or len(data)
@@ -393,6 +394,8 @@ def run_validation(
         batch_scores, _ = run_stage("reward", reward, workers, reward_manager, batch)
         scored.append(batch.union(batch_scores))
     batch = Batch.concat(scored)
+    if on_scored is not None:
+        on_scored(batch)
     scores = batch.tensors[TOKEN_LEVEL_SCORES].sum(-1).tolist()
     metrics = validation_metrics(
         list(batch.non_tensors[config.data.reward_fn_key]), list(batch.non_tensors[UID]), scores, n

@@ -31,11 +31,14 @@ def _list_algorithms(args: argparse.Namespace) -> int:
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
-    from rl_core.models.tiny import make_tiny_model
+    from rl_core.models.families import VISION_FAMILIES
 
-    folder = make_tiny_model(
-        args.out, seed=args.seed, hidden_size=args.hidden_size, num_layers=args.num_layers, family=args.family
-    )
+    if args.family in VISION_FAMILIES:
+        from rl_core.models.tiny_vlm import make_tiny_vlm as make
+    else:
+        from rl_core.models.tiny import make_tiny_model as make
+    sizes = {"hidden_size": args.hidden_size, "num_layers": args.num_layers}
+    folder = make(args.out, seed=args.seed, family=args.family, **sizes)
     print(f"wrote a tiny {args.family} checkpoint to {folder} (use it as actor_rollout_ref.model.path={folder})")
     return 0
 
@@ -70,7 +73,7 @@ def _call_tool(args: argparse.Namespace) -> int:
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
     """``config``, ``algos``, ``make-tiny-model``, ``prepare-gsm8k`` and ``tools call``."""
-    from rl_core.models.families import FAMILIES
+    from rl_core.models.families import FAMILIES, VISION_FAMILIES
 
     config = commands.add_parser(
         "config", help="print the composed config (every key with its value) for the given overrides"
@@ -85,7 +88,12 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
         "make-tiny-model", help="write a tiny randomly initialised model + tokenizer (no download) to OUT"
     )
     tiny.add_argument("out", help="output folder")
-    tiny.add_argument("--family", default="qwen2", choices=sorted(FAMILIES), help="the model family (default qwen2)")
+    tiny.add_argument(
+        "--family",
+        default="qwen2",
+        choices=sorted(FAMILIES) + list(VISION_FAMILIES),
+        help="the model family (default qwen2; qwen2_vl, qwen2_5_vl, llava: a vision-language model and its processor)",
+    )
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--hidden-size", type=int, default=64)
     tiny.add_argument("--num-layers", type=int, default=2)

@@ -14,7 +14,8 @@ A row::
 A row of a vision-language run also has images (``data.image_key``, verl's ``images`` column, one ``<image>``
 placeholder per image in the prompt: :mod:`rl_core.data.images`): its prompt goes through the checkpoint's processor
 (chat template, each placeholder expanded to the image's tokens), and its prompt batch carries the processor's
-tensors for the model (``pixel_values``, the image grid, ...) per row in ``multi_modal_inputs`` (verl's column).
+tensors for the model (``pixel_values``, the image grid, ...) per row in ``multi_modal_inputs`` and the decoded images
+in ``multi_modal_data`` (verl's columns).
 
 Prompts go through the tokenizer's chat template with the generation prompt appended; a plain-string prompt,
 ``data.use_chat_template=false``, or a tokenizer without a chat template (common for base models) tokenizes
@@ -37,6 +38,7 @@ from rl_core.batch_fields import (
     DATA_SOURCE,
     EXTRA_INFO,
     INPUT_IDS,
+    MULTI_MODAL_DATA,
     MULTI_MODAL_INPUTS,
     POSITION_IDS,
     RAW_PROMPT,
@@ -156,6 +158,8 @@ class RLDataset:
         }
         if any(i in self.images for i in indices):
             non_tensors[MULTI_MODAL_INPUTS] = [self.vision_inputs(i) for i in indices]
+            images = [self.images[i][1] if i in self.images else None for i in indices]
+            non_tensors[MULTI_MODAL_DATA] = [{"image": found} if found else None for found in images]
         return Batch(tensors, non_tensors)
 
 

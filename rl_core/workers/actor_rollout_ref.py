@@ -54,7 +54,13 @@ from rl_core.checkpoint import rng_state, set_rng_state
 from rl_core.config_access import config_get
 from rl_core.device import autocast, compute_dtype, memory_metrics, on_worker_device
 from rl_core.models.flops import update_mfu
-from rl_core.models.loading import ModelLoadWarning, load_policy_model, load_warnings, padding_free_works
+from rl_core.models.loading import (
+    ModelLoadWarning,
+    load_policy_model,
+    load_policy_processor,
+    load_warnings,
+    padding_free_works,
+)
 from rl_core.models.logprob import response_log_probs
 from rl_core.models.lora import adapter_disabled, apply_lora, uses_lora
 from rl_core.models.multimodal import freeze_vision_tower, placeholder_token_ids, vision_model_inputs
@@ -446,7 +452,8 @@ class ActorRolloutRefWorker:
         save_trainable(
             folder,
             self.module,
-            self.tokenizer,
+            # a vision-language model's processor saves its tokenizer with it: the checkpoint loads with its images
+            load_policy_processor(self.model_config, self.tokenizer) or self.tokenizer,
             self.optimizer,
             self.lr_scheduler,
             {"rng": rng_state(), "steps_trained": self.steps_trained},

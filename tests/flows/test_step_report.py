@@ -1,13 +1,19 @@
 """The samples table the inspector reads: token texts that join to the decoded response (no U+FFFD for a character
 split over byte tokens), whole GRPO groups, the question without the chat template, the ground truth."""
 
-import torch
+import base64
+import io
 
-from flows.step_report import samples_table, token_texts
+import numpy as np
+import torch
+from PIL import Image
+
+from flows.step_report import samples_table, token_texts, validation_images
 from rl_core.batch import Batch
 from rl_core.batch_fields import (
     ADVANTAGES,
     ATTENTION_MASK,
+    MULTI_MODAL_DATA,
     PROMPTS,
     RAW_PROMPT,
     RESPONSE_MASK,
@@ -75,3 +81,19 @@ def test_the_table_keeps_whole_groups_with_their_question_and_ground_truth():
     assert table["score"] == [0.0, 1.0, 2.0, 3.0, 12.0, 13.0, 14.0, 15.0]
     assert [len(tokens) for tokens in table["response_tokens"]] == table["response_length"]
     assert all(len(a) == n for a, n in zip(table["token_advantages"], table["response_length"]))
+
+
+def test_samples_with_images_carry_thumbnails_and_validation_logs_them_whole():
+    tokenizer = build_tokenizer(TEXTS, vocab_size=300)
+    batch = grpo_batch(tokenizer, prompts=2, n=2)
+    wide = Image.new("RGB", (300, 150), (40, 80, 220))
+    batch.non_tensors[MULTI_MODAL_DATA] = np.array([{"image": [wide]}, {"image": [wide]}, None, None], dtype=object)
+    table = samples_table(batch, tokenizer, count=4)
+    decoded = [[base64.b64decode(url.split(",", 1)[1]) for url in row] for row in table["images"]]
+    thumbnails = [[Image.open(io.BytesIO(png)) for png in row] for row in decoded]
+    assert [[image.size for image in row] for row in thumbnails] == [[(96, 48)], [(96, 48)], [], []]  # the aspect kept
+    assert thumbnails[0][0].getpixel((10, 10)) == (40, 80, 220)
+    logged = validation_images(batch, tokenizer, count=8)
+    assert logged["image"] == [wide, wide] and logged["question"] == ["q0", "q0"]  # the rows with images only
+    assert logged["ground_truth"] == ["0", "0"] and logged["score"] == [0.0, 1.0]
+    assert validation_images(grpo_batch(tokenizer), tokenizer, count=8) is None

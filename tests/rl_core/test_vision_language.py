@@ -213,6 +213,13 @@ def test_a_grpo_step_on_verl_format_image_rows_trains_the_language_part_only_whe
     vision = {f"{name}." for name, module in worker.module.named_modules() if module in vision_modules(worker.module)}
     assert changed and not any(name.startswith(tuple(vision)) for name in changed)
     assert any("language_model" in name for name in changed)
+    # the checkpoint is a vision-language checkpoint again: its processor saved beside the weights
+    worker.save_checkpoint(tmp_path / "checkpoint")
+    model, tokenizer, processor = processor_of(tmp_path / "checkpoint")
+    assert type(processor).__name__ == "Qwen2_5_VLProcessor" and processor.chat_template == tokenizer.chat_template
+    assert torch.equal(
+        model.state_dict()[next(iter(changed))], dict(worker.module.named_parameters())[next(iter(changed))]
+    )
 
 
 def test_lora_on_a_vision_language_model_adapts_the_language_part(vlm_folders):

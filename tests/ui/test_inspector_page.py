@@ -10,15 +10,18 @@ import httpx
 import pytest
 import uvicorn
 from mlflow.tracking import MlflowClient
+from PIL import Image
 from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
+from flows.step_report import thumbnail_urls
 from tests.browser import ARTIFACTS, chromium
 from tests.conftest import free_port, small_run_overrides
 from ui.server import Links, create_app
 
 HOSTILE = '<script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2">'
+HOSTILE_IMAGES = ["javascript:window.__pwned = 3", "data:text/html,<script>window.__pwned = 4</script>", HOSTILE]
 
 
 ROLLOUT_SECONDS = {1: 1.7, 2: 1.2, 3: 0.9}  # the two-stream run's rollout worker seconds per step
@@ -48,15 +51,18 @@ def store(tmp_path_factory, demo_cache, ray_address, prefect_api):
     # a path with no place to break a line (the page must still fit 1000 px)
     client.log_param(hostile, "actor_rollout_ref.model.path", "/home/researcher/checkpoints/qwen2_5_7b_instruct_sft_v3")
     client.log_metric(hostile, "critic/score/mean", 0.5, step=1)
+    # a vision-language run's samples carry image thumbnails: the hostile row's "images" are not images
+    red = Image.new("RGB", (48, 48), (220, 40, 40))
     client.log_table(
         hostile,
         {
-            "prompt": [HOSTILE],
-            "response": [HOSTILE],
-            "score": [1.0],
-            "advantage": [0.5],
-            "response_tokens": [["<script>", "alert(1)", "</script>"]],
-            "token_advantages": [[0.5, -0.5, 0.1]],
+            "prompt": [HOSTILE, "which colour?"],
+            "response": [HOSTILE, "red"],
+            "score": [1.0, 1.0],
+            "advantage": [0.5, 0.5],
+            "response_tokens": [["<script>", "alert(1)", "</script>"], ["red"]],
+            "token_advantages": [[0.5, -0.5, 0.1], [0.5]],
+            "images": [HOSTILE_IMAGES, thumbnail_urls({"image": [red]})],
         },
         artifact_file="samples/step_000001.json",
     )
@@ -416,7 +422,12 @@ def test_logged_strings_are_text_never_html(browser, server, store):
     assert HOSTILE in sample.find_element(By.CLASS_NAME, "prompt").text
     assert sample.find_element(By.CLASS_NAME, "response").text == "<script>alert(1)</script>"
     assert browser.execute_script("return window.__pwned") is None
-    assert browser.find_elements(By.CSS_SELECTOR, "#samples script, #samples img") == []
+    assert browser.find_elements(By.CSS_SELECTOR, "#samples script") == []
+    assert sample.find_elements(By.TAG_NAME, "img") == []  # its "images" are no PNG data URLs: none is shown
+    # the other sample's thumbnail is shown beside its response, drawn (the browser decoded the PNG)
+    (thumbnail,) = browser.find_elements(By.CSS_SELECTOR, "#samples .thumbs img")
+    assert thumbnail.get_attribute("src").startswith("data:image/png;base64,")
+    assert browser.execute_script("return arguments[0].complete && arguments[0].naturalWidth", thumbnail) == 48
 
 
 def test_the_server_only_reads(server, store):

@@ -488,6 +488,12 @@ function sampleMeta(sample) {
   return parts.join(" · ");
 }
 
+// a vision-language run's images beside the response: only the PNG data URLs the run logs (never another URL)
+function thumbnails(sample) {
+  const safe = (sample.images || []).filter((src) => typeof src === "string" && src.startsWith("data:image/png;base64,"));
+  return safe.length ? [el("div", { className: "thumbs" }, ...safe.map((src) => el("img", { src, alt: "prompt image" })))] : [];
+}
+
 function sampleCard(sample, colourBy, colouring, scale, grouped) {
   const calls = (sample.tool_calls || []).map((call) => el("li", {
     className: call.error ? "call failed" : "call",
@@ -495,7 +501,7 @@ function sampleCard(sample, colourBy, colouring, scale, grouped) {
       + (call.error ? ` [${call.error}]` : ` (${formatNumber(call.latency_s, 3)} s)`),
   }));
   return el("div", { className: "sample" }, el("div", { className: "meta", text: sampleMeta(sample) }),
-    ...(grouped ? [] : [el("div", { className: "prompt", text: sample.prompt })]),
+    ...(grouped ? [] : [el("div", { className: "prompt", text: sample.prompt })]), ...thumbnails(sample),
     responseNode(sample, colourBy, colouring, scale), ...(calls.length ? [el("ul", { className: "tool-calls" }, ...calls)] : []));
 }
 
