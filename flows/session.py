@@ -17,6 +17,7 @@ folder lock and workers made already, while Prefect's server booted (flows/prest
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -62,14 +63,7 @@ from rl_core.algos.kl import get_kl_controller
 from rl_core.batch import Batch
 from rl_core.batch_fields import ATTENTION_MASK
 from rl_core.data.sampler import ResumableSampler
-from rl_core.ppo_step import (
-    StepWorkers,
-    generation_on,
-    retry_safe_stages,
-    run_directly,
-    run_ppo_step,
-    run_validation,
-)
+from rl_core.ppo_step import StepWorkers, generation_on, retry_safe_stages, run_ppo_step, run_validation
 from rl_core.rollout_schedule import GenerationWindow
 from rl_core.separate_rollout import SeparateRollout
 from rl_core.step_checkpoint import CheckpointError, FolderLock, run_checkpoints
@@ -360,14 +354,11 @@ class TrainingSession:
 
         self.val_metrics = run_phase(
             "validate",
-            run_validation,
+            functools.partial(run_validation, on_scored=log_images),
             self.config,
             self.workers,
             inputs.val_data,
             inputs.reward_manager,
-            run_directly,
-            None,  # the config's val_kwargs
-            log_images,
             step=step,
         )
         return {**self.val_metrics, "timing_s/testing": time.perf_counter() - started}

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +30,9 @@ from rl_core.agent.runner import MultiTurnRollout
 from rl_core.agent.tools.registry import configured_tools
 from rl_core.algos.aggregate import agg_loss
 from rl_core.algos.kl import kl_penalty
-from rl_core.algos.policy_loss import compute_policy_loss_reinforce, get_policy_loss_fn
-from rl_core.algos.rollout_correction import rollout_correction
+from rl_core.algos.policy_loss import get_policy_loss_fn
 from rl_core.batch import Batch
 from rl_core.batch_fields import (
-    ADVANTAGES,
     ATTENTION_MASK,
     ENTROPYS,
     INPUT_IDS,
@@ -46,12 +43,9 @@ from rl_core.batch_fields import (
     RESPONSE_MASK,
     RESPONSES,
     ROLLOUT_CORRECTION,
-    ROLLOUT_IS_WEIGHTS,
-    ROLLOUT_LOG_PROBS,
     TEMPERATURE,
 )
 from rl_core.checkpoint import rng_state, set_rng_state
-from rl_core.config_access import config_get
 from rl_core.device import autocast, compute_dtype, memory_metrics, on_worker_device
 from rl_core.models.flops import update_mfu
 from rl_core.models.loading import (
@@ -84,85 +78,11 @@ from rl_core.workers.fsdp import (
     shard_module,
 )
 from rl_core.workers.micro_batches import in_micro_batches, micro_batch_limits
+from rl_core.workers.policy_loss_call import LossConfig, micro_policy_loss, reads_global_batch_info
 from rl_core.workers.train_loop import local_mini_batch_size, run_updates
 from rl_core.workers.trainable_state import load_model_weights, load_trainable, save_trainable
 
 ROLES = ("actor", "rollout", "ref")
-
-
-class LossConfig:
-    """The actor config as the policy loss sees it: every field of ``actor``, plus this mini-batch's
-    ``global_batch_info`` (an OmegaConf node cannot take a new key, so it is layered on top). It notes whether the loss
-    read ``global_batch_info``: one that did not (written for verl's legacy path) returns a micro-batch mean."""
-
-    def __init__(self, actor_config: Any, global_batch_info: dict[str, float]):
-        self._actor_config = actor_config
-        self._global_batch_info = global_batch_info
-        self.read_global_batch_info = False
-
-    @property
-    def global_batch_info(self) -> dict[str, float]:
-        self.read_global_batch_info = True
-        return self._global_batch_info
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._actor_config, name)
-
-    def get(self, name: str, default: Any = None) -> Any:
-        return getattr(self, name, default)
-
-
-def reads_global_batch_info(loss_fn: Callable, actor_config: Any) -> bool:
-    """Whether the policy loss ``loss_fn`` reads ``config.global_batch_info``, tried on a dummy batch (a loss that fails
-    there is given the benefit of the doubt)."""
-    config = LossConfig(actor_config, {"dp_size": 1, "batch_num_tokens": 6.0, "global_batch_size": 2.0})
-    zeros = torch.zeros(2, 3)
-    try:
-        loss_fn(
-            old_log_prob=zeros,
-            log_prob=zeros - 0.1,
-            advantages=torch.ones(2, 3),
-            response_mask=torch.ones(2, 3),
-            loss_agg_mode=config_get(actor_config, "loss_agg_mode", "token-mean"),
-            config=config,
-        )
-    except Exception:
-        return True
-    return config.read_global_batch_info
-
-
-def micro_policy_loss(
-    micro: Batch, log_prob: torch.Tensor, loss_fn: Callable, config: Any, loss_agg_mode: str, bypass: Any
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """A micro-batch's policy loss and metrics. Against its old log-probs (recomputed; or ``log_prob`` detached when
-    the step skipped that pass: one epoch, one mini-batch), weighed by rollout correction's importance weights when
-    the batch has them (decoupled mode). In the bypass mode (``bypass``: the RolloutCorrection settings) against the
-    rollout's log-probs, the weights and the rejection computed here from pi_theta (the rejection drops tokens from
-    this loss only, as verl): ``ppo_clip``, the configured loss without weights (its ratio pi_theta / pi_rollout is
-    the correction), or ``reinforce``, REINFORCE weighted."""
-    mask, advantages = micro.tensors[RESPONSE_MASK], micro.tensors[ADVANTAGES]
-    if bypass is None:
-        old_log_prob = micro.tensors[OLD_LOG_PROBS] if OLD_LOG_PROBS in micro.tensors else log_prob.detach()
-        weights, correction_metrics = micro.tensors.get(ROLLOUT_IS_WEIGHTS), {}
-    else:
-        old_log_prob = micro.tensors[ROLLOUT_LOG_PROBS]
-        weights, mask, correction_metrics = rollout_correction(log_prob.detach(), old_log_prob, mask, bypass)
-        if bypass.loss_type == "reinforce":
-            pg_loss, metrics = compute_policy_loss_reinforce(
-                old_log_prob, log_prob, advantages, mask, loss_agg_mode, config, weights
-            )
-            return pg_loss, metrics | correction_metrics
-        weights = None  # ppo_clip: its ratio pi_theta / pi_rollout is the correction
-    pg_loss, metrics = loss_fn(
-        old_log_prob=old_log_prob,
-        log_prob=log_prob,
-        advantages=advantages,
-        response_mask=mask,
-        loss_agg_mode=loss_agg_mode,
-        config=config,
-        rollout_is_weights=weights,
-    )
-    return pg_loss, metrics | correction_metrics
 
 
 class ActorRolloutRefWorker:
@@ -211,6 +131,8 @@ class ActorRolloutRefWorker:
                 )
                 if self.is_actor and self.actor_config.freeze_vision_tower:
                     freeze_vision_tower(model)
+                # a vision-language model's processor, saved with its checkpoints (it saves the tokenizer too)
+                self.processor = load_policy_processor(self.model_config, self.tokenizer)
                 self.module = shard_module(
                     apply_lora(model, self.model_config).to(self.device), fsdp_config, self.compute_dtype
                 )
@@ -452,8 +374,7 @@ class ActorRolloutRefWorker:
         save_trainable(
             folder,
             self.module,
-            # a vision-language model's processor saves its tokenizer with it: the checkpoint loads with its images
-            load_policy_processor(self.model_config, self.tokenizer) or self.tokenizer,
+            self.processor or self.tokenizer,
             self.optimizer,
             self.lr_scheduler,
             {"rng": rng_state(), "steps_trained": self.steps_trained},

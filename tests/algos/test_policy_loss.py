@@ -93,7 +93,7 @@ def test_cispo_keeps_the_gradient_of_clipped_tokens():
 
 def test_every_builtin_loss_normalises_by_the_global_batch():
     """They read config.global_batch_info (the worker would otherwise treat them as micro-batch means)."""
-    from rl_core.workers.actor_rollout_ref import reads_global_batch_info
+    from rl_core.workers.policy_loss_call import reads_global_batch_info
 
     assert [name for name, fn in POLICY_LOSSES.items() if not reads_global_batch_info(fn, actor_config())] == []
 
