@@ -156,7 +156,7 @@ class RLDataset:
             UID: [f"{uid_prefix}{i}" for i in indices],
             AGENT_NAME: [r.get("agent_name") or "" for r in rows],
         }
-        if any(i in self.images for i in indices):
+        if self.images:  # every batch of a dataset with images has the columns (None: a row without), so they concat
             non_tensors[MULTI_MODAL_INPUTS] = [self.vision_inputs(i) for i in indices]
             images = [self.images[i][1] if i in self.images else None for i in indices]
             non_tensors[MULTI_MODAL_DATA] = [{"image": found} if found else None for found in images]

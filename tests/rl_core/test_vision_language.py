@@ -171,6 +171,7 @@ def test_sampled_log_probs_equal_recomputed_ones_and_batched_rows_equal_rows_alo
     worker, data = worker_and_data(vlm_config, tmp_path, rows, role="actor_rollout")
     prompts = data.collate([0, 1, 2, 3], uid_prefix="v-")
     assert prompts.non_tensors[MULTI_MODAL_INPUTS][3] is None
+    assert data.collate([3]).non_tensors[MULTI_MODAL_INPUTS].tolist() == [None]  # batches of a dataset concat
     sequences = worker.generate_sequences(prompts.repeat_interleave(2))
     mask = sequences.tensors[RESPONSE_MASK].bool()
     responses = sequences.tensors["responses"][mask]
