@@ -162,8 +162,9 @@ def vllm_problems(config: Any) -> list[str]:
 
 
 def image_problems(config: Any, datasets: list[RLDataset]) -> list[str]:
-    """What a run whose prompts have images cannot do yet: sample them with vLLM, take turns with tools or agents (the
-    loop passes no images), train a critic (a value head on a vision-language model is not built)."""
+    """What a run whose prompts have images cannot do yet: sample them with vLLM, hand its turns to agents of one's own
+    (an endpoint agent, a loop of one's own: their requests are not given the images; the built-in loop with tools
+    and interactions is), train a critic (a value head on a vision-language model is not built)."""
     if not any(dataset.images for dataset in datasets):
         return []
     rollout, problems = config.actor_rollout_ref.rollout, []
@@ -172,10 +173,12 @@ def image_problems(config: Any, datasets: list[RLDataset]) -> list[str]:
             f"actor_rollout_ref.rollout.name={rollout.name}: prompts with images are sampled by the HF engine only "
             "(vLLM's multimodal inputs are not wired yet); use actor_rollout_ref.rollout.name=hf"
         )
-    if rollout.multi_turn.enable or rollout.agent.endpoint.function or rollout.agent.endpoint.command:
+    agents = rollout.agent
+    if agents.endpoint.function or agents.endpoint.command or agents.agent_loop_config_path:
         problems.append(
-            "prompts with images and a multi-turn rollout (tools or agents): the turns' generations are not given the "
-            "images yet; use a single-turn rollout for image prompts"
+            "prompts with images and agents of one's own (actor_rollout_ref.rollout.agent.endpoint / "
+            "agent_loop_config_path): their requests are not given the images yet; use the built-in tool loop "
+            "(actor_rollout_ref.rollout.multi_turn) or a single turn for image prompts"
         )
     if use_critic(config):
         problems.append(

@@ -59,7 +59,14 @@ from rl_core.agent.loops import (
 from rl_core.agent.observations import ObservationEncoder
 from rl_core.agent.parsers import HERMES_CALL, parse_hermes
 from rl_core.agent.user_agent import load_agent, start_agent, stop_agent
-from rl_core.rollout.base import SamplingParams, TokenEngine, data_parallel_rank, sampling_seed, stop_token_ids
+from rl_core.rollout.base import (
+    SamplingParams,
+    TokenEngine,
+    data_parallel_rank,
+    sampling_seed,
+    stop_token_ids,
+    with_images,
+)
 
 # seed parts of round r: r * ROUND_STRIDE + chunk (the tool loop's rounds too; its round 0: the single-turn seeds)
 ROUND_STRIDE = 10_000
@@ -74,6 +81,13 @@ class _Call:
 
     request: ChatRequest | TokenRequest
     on_reply: Callable[[Any], None]
+
+
+def _extends_prompt(job: tuple) -> bool:
+    """Whether a generation job's context starts with its trajectory's prompt (its images' tokens then lie where the
+    prompt's do)."""
+    session, context = job[0], job[2]
+    return context[: len(session.trajectory.prompt)] == session.trajectory.prompt
 
 
 @dataclass
@@ -307,8 +321,10 @@ class EndpointAgents:
         for chunk, start in enumerate(range(0, len(jobs), self.chunk_size)):
             part = jobs[start : start + self.chunk_size]
             seed = sampling_seed(self.config, meta_info, rank, round_index * ROUND_STRIDE + chunk)
+            # a context that goes on from its trajectory's prompt is given the prompt's images
+            images = with_images([job[0].trajectory.vision if _extends_prompt(job) else None for job in part])
             samples = self.engine.generate_tokens(
-                [job[2] for job in part], [job[3] for job in part], params, seed, self.prompt_length
+                [job[2] for job in part], [job[3] for job in part], params, seed, self.prompt_length, **images
             )
             for (session, call, context, _, recorded), sample in zip(part, samples):
                 session.trajectory.batch_sizes.append(len(part))

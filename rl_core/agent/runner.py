@@ -56,6 +56,7 @@ from rl_core.batch_fields import (
     DATA_SOURCE,
     EXTRA_INFO,
     INPUT_IDS,
+    MULTI_MODAL_INPUTS,
     MULTI_TURN,
     NUM_TURNS,
     RAW_PROMPT,
@@ -73,6 +74,7 @@ from rl_core.rollout.base import (
     sampling_params,
     sampling_seed,
     stop_token_ids,
+    with_images,
 )
 
 SINGLE_TURN = "single_turn_agent"
@@ -107,6 +109,7 @@ class Trajectory:
     reward_scores: dict[str, float] = field(default_factory=dict)  # each tool's calc_reward at the end
     tool_problems: list[str] = field(default_factory=list)  # a calc_reward, release or interaction that failed
     turn_scores: list[float] = field(default_factory=list)  # the interaction's score of each reply
+    vision: dict[str, Any] | None = None  # its prompt's image inputs (a vision-language run): every turn takes them
     turn_rewards: list[float] = field(default_factory=list)  # per policy turn: its calls' step rewards + reply score
     by_endpoint: bool = False  # endpoint_agent or a loop of one's own (rl_core/agent/endpoint.py, loops.py) runs it
     endpoint: dict[str, Any] = field(default_factory=dict)  # what its endpoint agent returned and how its calls went
@@ -184,6 +187,7 @@ class MultiTurnRollout:
         width = prompts.tensors[INPUT_IDS].shape[1]
         extras = prompts.non_tensors.get(EXTRA_INFO, [None] * len(prompts))
         raw_prompts = prompts.non_tensors.get(RAW_PROMPT, [[]] * len(prompts))
+        images = prompts.non_tensors.get(MULTI_MODAL_INPUTS, [None] * len(prompts))
         agents = self._agent_names(prompts)
         trajectories = [
             Trajectory(
@@ -192,8 +196,9 @@ class MultiTurnRollout:
                 context=_as_messages(raw),
                 single_turn=agent == SINGLE_TURN,
                 by_endpoint=agent not in (SINGLE_TURN, "tool_agent"),
+                vision=vision,
             )
-            for ids, extra, raw, agent in zip(prompt_contexts(prompts), extras, raw_prompts, agents)
+            for ids, extra, raw, agent, vision in zip(prompt_contexts(prompts), extras, raw_prompts, agents, images)
         ]
         with self.engine.rollout(prompts.meta_info):
             if self.continuous:  # every trajectory on its own; the built-in loop's as coroutines (endpoint.py)
@@ -245,7 +250,8 @@ class MultiTurnRollout:
                 part = active[start : start + self.chunk_size]
                 seed = sampling_seed(self.config, meta_info, rank, round_index * ROUND_STRIDE + chunk)
                 budgets = [self.response_length - len(t.ids) for t in part]
-                samples = self.engine.generate_tokens([t.prompt + t.ids for t in part], budgets, params, seed, width)
+                contexts, images = [t.prompt + t.ids for t in part], with_images([t.vision for t in part])
+                samples = self.engine.generate_tokens(contexts, budgets, params, seed, width, **images)
                 for trajectory, sample in zip(part, samples):
                     trajectory.batch_sizes.append(len(part))
                     self._take_turn(trajectory, sample)

@@ -74,6 +74,12 @@ class TokenEngine(RolloutEngine, Protocol):
     ) -> list[TokenSample]: ...
 
 
+def with_images(vision: list[dict | None]) -> dict[str, Any]:
+    """``generate_tokens``'s keyword for the contexts' image inputs (each context's prompt's ``multi_modal_inputs``, or
+    None): given only when some context has images, so that an engine without image support is never passed any."""
+    return {"vision": vision} if any(vision) else {}
+
+
 ROLLOUT_ENGINES: dict[str, Callable[..., RolloutEngine]] = {}
 
 

@@ -256,7 +256,35 @@ def test_what_image_runs_cannot_do_yet_is_refused(vlm_config, vlm_folders, tmp_p
     )
     assert image_problems(vlm_config, [data]) == []
     vlm_config.actor_rollout_ref.rollout.name = "vllm"
-    vlm_config.actor_rollout_ref.rollout.multi_turn.enable = True
+    vlm_config.actor_rollout_ref.rollout.agent.endpoint.command = ["my-agent"]
     vlm_config.algorithm.adv_estimator = "gae"
     problems = "\n".join(image_problems(vlm_config, [data]))
-    assert "rollout.name=vllm" in problems and "multi-turn" in problems and "adv_estimator=gae" in problems
+    assert "rollout.name=vllm" in problems and "agents of one's own" in problems and "adv_estimator=gae" in problems
+
+
+@pytest.mark.parametrize("batching", ["rounds", "continuous"])
+def test_every_turn_of_a_multi_turn_trajectory_sees_the_images(vlm_config, tmp_path, batching):
+    """The built-in loop with a simulated user (test_agent_surface's GuessInteraction: "try again" until it is right)
+    on the real HF engine: each later turn is sampled from prompt + earlier turns + replies with the prompt's images
+    (a turn without them would not run: the image tokens would find no features), and the sampler's log-probs of every
+    turn equal the recomputed ones."""
+    config_file = tmp_path / "interactions.yaml"
+    config_file.write_text(
+        "interaction:\n  - name: guess\n    class_name: tests.rl_core.test_agent_surface.GuessInteraction\n"
+    )
+    rollout = vlm_config.actor_rollout_ref.rollout
+    rollout.multi_turn.enable, rollout.multi_turn.interaction_config_path = True, str(config_file)
+    rollout.multi_turn.max_assistant_turns, rollout.agent.batching = 3, batching
+    vlm_config.data.max_response_length = 48
+    rows = shapes_rows(3, 0)
+    for row in rows:
+        row["extra_info"]["interaction_kwargs"] = {"name": "guess", "ground_truth": "a colour it never says"}
+    worker, data = worker_and_data(vlm_config, tmp_path, rows, role="actor_rollout")
+    rollout.stop_token_ids = list(range(10, 200))  # turns of a few tokens from a random model
+    worker.rollout = worker._build_rollout()
+    out = worker.generate_sequences(data.collate([0, 1, 2], uid_prefix="m-"))
+    turns = [sum(m["role"] == "assistant" for m in info["messages"]) for info in out.non_tensors["multi_turn"]]
+    assert max(turns) >= 2, turns
+    mask = out.tensors[RESPONSE_MASK].bool()
+    recomputed = worker.compute_log_prob(out).tensors[OLD_LOG_PROBS]
+    assert float((recomputed - out.tensors[ROLLOUT_LOG_PROBS])[mask].abs().max()) < 1e-4
