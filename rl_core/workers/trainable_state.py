@@ -25,6 +25,24 @@ from rl_core.workers.fsdp import (
 )
 
 
+def module_names_of_saved(model: torch.nn.Module) -> dict[str, str]:
+    """{name in a saved checkpoint: name in ``model``'s state dict} where they differ: transformers 5 saves some
+    architectures under their legacy names (Qwen2-VL's ``model.layers.*`` for the module's
+    ``model.language_model.layers.*``, LLaVA's ``language_model.model.*``) and renames them back in
+    ``from_pretrained``; here they are read by name. Only renamings are mapped (a conversion that merges or splits
+    tensors is not: such weights then fail to fit, naming the keys)."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # a transformers release without weight conversions saves the module's own names
+        return {}
+    state = model.state_dict()
+    name_of: dict[int, str] = {}
+    for name, tensor in state.items():
+        name_of.setdefault(id(tensor), name)
+    saved = revert_weight_conversion(model, dict(state))
+    return {key: name_of[id(tensor)] for key, tensor in saved.items() if name_of.get(id(tensor), key) != key}
+
+
 def load_model_weights(model: torch.nn.Module, folder: str | Path) -> None:
     """Load weights saved by :func:`save_model_weights` into ``model`` in place (full model or LoRA adapter),
     sharded or not."""
@@ -49,6 +67,9 @@ def load_model_weights(model: torch.nn.Module, folder: str | Path) -> None:
     state: dict[str, torch.Tensor] = {}
     for file in files:
         state.update(load_file(str(file)))
+    if not isinstance(model, ValueHeadModel) and not set(state) <= set(model.state_dict()):
+        renamed = module_names_of_saved(model)
+        state = {renamed.get(name, name): tensor for name, tensor in state.items()}
     if isinstance(model, ValueHeadModel):
         state = {f"body.{k}": v for k, v in state.items()}
         state.update({f"value_head.{k}": v for k, v in load_file(str(folder / VALUE_HEAD_FILE)).items()})

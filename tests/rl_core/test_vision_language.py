@@ -15,6 +15,7 @@ from flows.config import demo_profile
 from rl_core.algos.kl import get_kl_controller
 from rl_core.batch import Batch
 from rl_core.batch_fields import MULTI_MODAL_INPUTS, OLD_LOG_PROBS, RESPONSE_MASK, ROLLOUT_LOG_PROBS
+from rl_core.checkpoint import save_model_weights
 from rl_core.config import ModelConfig, default_config
 from rl_core.data.dataset import RLDataset
 from rl_core.data.images import IMAGE_PLACEHOLDER
@@ -36,6 +37,7 @@ from rl_core.reward.manager import RewardManager
 from rl_core.reward.scorers import geo3k_score, shapes_score
 from rl_core.rollout.hf_engine import SuppressPlaceholders
 from rl_core.workers.actor_rollout_ref import ActorRolloutRefWorker
+from rl_core.workers.trainable_state import load_model_weights
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "llava")
 
@@ -218,17 +220,31 @@ def test_a_grpo_step_on_verl_format_image_rows_trains_the_language_part_only_whe
     worker.save_checkpoint(tmp_path / "checkpoint")
     model, tokenizer, processor = processor_of(tmp_path / "checkpoint")
     assert type(processor).__name__ == "Qwen2_5_VLProcessor" and processor.chat_template == tokenizer.chat_template
-    assert torch.equal(
-        model.state_dict()[next(iter(changed))], dict(worker.module.named_parameters())[next(iter(changed))]
-    )
+    trained = worker.module.state_dict()
+    assert all(torch.equal(tensor, trained[name]) for name, tensor in model.state_dict().items())
+    # and resumes: transformers saves it under the legacy names (model.layers.*), read back by the module's own
+    resumed = ActorRolloutRefWorker(vlm_config.actor_rollout_ref, "actor")
+    resumed.init_model()
+    resumed.load_checkpoint(tmp_path / "checkpoint")
+    assert all(torch.equal(tensor, trained[name]) for name, tensor in resumed.module.state_dict().items())
 
 
-def test_lora_on_a_vision_language_model_adapts_the_language_part(vlm_folders):
+def test_lora_on_a_vision_language_model_adapts_the_language_part(vlm_folders, tmp_path):
     model, _, _ = processor_of(vlm_folders["qwen2_vl"])
     config = OmegaConf.merge(ModelConfig(), {"lora_rank": 4})
-    adapted = [name for name, _ in apply_lora(model, config).named_parameters() if "lora_A" in name]
+    lora = apply_lora(model, config)
+    adapted = [name for name, _ in lora.named_parameters() if "lora_A" in name]
     assert adapted and all("visual" not in name for name in adapted)
     assert any("language_model" in name for name in adapted)
+    with torch.no_grad():  # a trained adapter (a fresh one's B is zero), saved and loaded into a fresh one
+        for name, parameter in lora.named_parameters():
+            if "lora_" in name:
+                parameter.normal_()
+    save_model_weights(lora, None, tmp_path / "adapter")
+    fresh = apply_lora(processor_of(vlm_folders["qwen2_vl"])[0], config)
+    load_model_weights(fresh, tmp_path / "adapter")
+    saved = lora.state_dict()
+    assert all(torch.equal(tensor, saved[name]) for name, tensor in fresh.state_dict().items())
 
 
 def test_batches_with_images_survive_pickling_and_data_parallel_chunks():
