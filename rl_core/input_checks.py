@@ -190,13 +190,15 @@ def image_problems(config: Any, datasets: list[RLDataset]) -> list[str]:
 
 
 def _has_images(config: Any) -> bool:
-    """Whether the first row of the first training file has an image column (the datasets then load in the checks:
-    every image is decoded before the run starts)."""
-    files = _files(config.data.train_files)
-    try:
-        return bool(files) and config.data.image_key in (peek_rows(files[0], 1)[1] or [{}])[0]
-    except DatasetError:
-        return False
+    """Whether the first row of a training or validation file has an image column (the datasets then load in the
+    checks: every image is decoded before the run starts)."""
+    for path in _files(config.data.train_files) + _files(config.data.val_files):
+        try:
+            if config.data.image_key in (peek_rows(path, 1)[1] or [{}])[0]:
+                return True
+        except DatasetError:
+            continue
+    return False
 
 
 def _vocabulary_may_overflow(config: Any) -> bool:

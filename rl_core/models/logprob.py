@@ -10,7 +10,8 @@ position ids restart at 0 for each row, with no attention mask; transformers the
 builds its mask with transformers' packed-sequence detection (or runs flash-attention's varlen kernels); remote code
 or a custom attention that ignores it would let each row attend to the rows before it.
 :func:`padding_free_mismatch` checks a model on a dummy batch: the workers run it at load and fall back to padded
-batches when the two paths disagree.
+batches when the two paths disagree. A vision-language model's batch with images always runs padded, its image inputs
+given to the forward and its positions computed by the model itself (its image placeholders have probability 0).
 """
 
 from __future__ import annotations

@@ -17,6 +17,10 @@ sampler draws from, one (rows, vocabulary) tensor at a time.
 CPU it runs uncompiled. ``rollout.free_cache_engine`` returns the cached CUDA blocks of the KV cache to the allocator
 after each rollout, for the update that follows.
 
+A vision-language model's prompts come with their images (the prompt batch's ``multi_modal_inputs``, a context's
+``vision``: :mod:`rl_core.models.multimodal`), given to ``generate`` with the padded contexts; its image placeholder
+tokens are never sampled.
+
 With partial rollout (``newer_weights`` set: :mod:`rl_core.rollout.partial`) a ``generate_tokens`` call (a chunk
 of a single-turn rollout, a batch of multi-turn turns) stops after the token at which the actor offers newer weights;
 they are taken and the unfinished rows continue, each segment seeded from the call's seed and its number.
