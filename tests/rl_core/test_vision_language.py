@@ -11,6 +11,7 @@ import torch
 from omegaconf import OmegaConf
 from PIL import Image
 
+from flows.cli import main as cli_main
 from flows.config import demo_profile
 from rl_core.algos.kl import get_kl_controller
 from rl_core.batch import Batch
@@ -94,6 +95,14 @@ def test_each_family_loads_with_its_processor_and_expands_the_image_placeholder(
     assert data.prompt_ids[0].count(placeholder) == (36 if family == "llava" else 9)
     inputs = data.vision_inputs(0)
     assert inputs["pixel_values"].shape[0] == (1 if family == "llava" else 36)
+
+
+def test_make_tiny_model_writes_a_vision_language_checkpoint(tmp_path, capsys):
+    assert cli_main(["make-tiny-model", str(tmp_path / "llava"), "--family", "llava", "--hidden-size", "32"]) == 0
+    assert str(tmp_path / "llava") in capsys.readouterr().out
+    model, _, processor = processor_of(tmp_path / "llava")
+    assert type(model).__name__ == "LlavaForConditionalGeneration" and type(processor).__name__ == "LlavaProcessor"
+    assert model.config.text_config.hidden_size == 32
 
 
 def test_a_text_only_checkpoint_has_no_processor(tiny_model_path):
