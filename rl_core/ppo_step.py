@@ -109,8 +109,8 @@ def _for_workers(batch: Batch, *inputs: Batch) -> Batch:
     tensors = {key: batch.tensors[key] for key in SEQUENCE}
     for extra in inputs:
         tensors.update(extra.tensors)
-    images = {key: batch.non_tensors[key] for key in (MULTI_MODAL_INPUTS,) if key in batch.non_tensors}
-    return Batch(tensors, images, meta_info=batch.meta_info)
+    images = batch.non_tensors.get(MULTI_MODAL_INPUTS)
+    return Batch(tensors, None if images is None else {MULTI_MODAL_INPUTS: images}, meta_info=batch.meta_info)
 
 
 def step_prompts(data: RLDataset, indices: list[int], step: int, generation_batch: int) -> Batch:

@@ -51,30 +51,35 @@ def encode_turns(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]
     return ids, mask
 
 
-def encode_example(tokenizer, example: SFTExample, processor=None) -> tuple[list[int], list[int]]:
-    """(input ids, loss mask) of prompt + response + EOS; the mask is 1 on response tokens and EOS (on the assistant
-    messages' tokens and EOS of a multi-turn response)."""
+def encode_prompt(tokenizer, example: SFTExample, processor=None) -> tuple[list[int], dict | None]:
+    """The prompt's ids as the RL dataset renders it and, for an example with images, their model inputs (else
+    None)."""
     if example.images:
-        prompt_ids = encode_with_images(processor, example_text(processor, example), list(example.images))[0]
+        if processor is None:
+            raise ValueError("an SFT example with images needs the model's processor (run_sft(..., processor=...))")
+        text = prompt_text(processor, example.prompt, len(example.images), "an SFT example")
+        return encode_with_images(processor, text, list(example.images))
+    if isinstance(example.prompt, str) or tokenizer.chat_template is None:
+        prompt = example.prompt
+        text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
     else:
-        if isinstance(example.prompt, str) or tokenizer.chat_template is None:
-            prompt = example.prompt
-            text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
-        else:
-            text = tokenizer.apply_chat_template(list(example.prompt), add_generation_prompt=True, tokenize=False)
-        prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        text = tokenizer.apply_chat_template(list(example.prompt), add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"], None
+
+
+def encode_example(
+    tokenizer, example: SFTExample, processor=None, prompt_ids: list[int] | None = None
+) -> tuple[list[int], list[int]]:
+    """(input ids, loss mask) of prompt + response + EOS; the mask is 1 on response tokens and EOS (on the assistant
+    messages' tokens and EOS of a multi-turn response). ``prompt_ids``: the prompt already encoded
+    (:func:`encode_prompt`)."""
+    if prompt_ids is None:
+        prompt_ids = encode_prompt(tokenizer, example, processor)[0]
     if isinstance(example.response, list):
         response_ids, response_mask = encode_turns(tokenizer, example.response)
         return prompt_ids + response_ids, [0] * len(prompt_ids) + response_mask
     response_ids = tokenizer(example.response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     return prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids)
-
-
-def example_text(processor, example: SFTExample) -> str:
-    """An example with images: its prompt through the processor's chat template."""
-    if processor is None:
-        raise ValueError("an SFT example with images needs the model's processor (run_sft(..., processor=...))")
-    return prompt_text(processor, example.prompt, len(example.images), "an SFT example")
 
 
 def collate(encoded: Sequence[tuple[list[int], list[int]]], pad_token_id: int) -> dict[str, torch.Tensor]:
@@ -124,13 +129,9 @@ def run_sft(
 ) -> list[float]:
     """``steps`` AdamW steps on random batches of ``examples``; returns the loss of each step. ``processor``: a
     vision-language model's, for examples with images."""
-    encoded = [encode_example(tokenizer, example, processor) for example in examples]
-    images = [
-        encode_with_images(processor, example_text(processor, example), list(example.images))[1]
-        if example.images
-        else None
-        for example in examples
-    ]
+    prompts = [encode_prompt(tokenizer, example, processor) for example in examples]  # the processor runs once each
+    encoded = [encode_example(tokenizer, example, prompt_ids=ids) for example, (ids, _) in zip(examples, prompts)]
+    images = [inputs for _, inputs in prompts]
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     model.train()
