@@ -1,12 +1,14 @@
 """The Prefect API a command uses when no server is configured, and the settings every command gives Prefect.
 
-Without PREFECT_API_URL (and no ``ppoflow up`` stack) Prefect starts a temporary API server at a flow's first API
-call. :func:`start_temporary_server` starts that server early instead: it launches the server's process at once (the
-command Prefect runs for it: uvicorn serving ``prefect.server.api.server:create_app``), so that it boots while the
-run's modules import, and hands it to Prefect as its temporary server (Prefect's ``SubprocessASGIServer``, a
-per-process singleton that its clients find) from a thread, since importing Prefect's server module takes seconds.
-Once it answers it runs at the lowest CPU priority (``infra.stack.LOWEST_PRIORITY``): it records task runs from their
-events asynchronously, and at normal priority on a small CPU machine it preempts the workers mid-stage.
+Without PREFECT_API_URL (and no ``ppoflow up`` stack) Prefect would start a temporary API server at a flow's first
+API call. :func:`start_temporary_server` starts that server early instead: it launches the server's process at once
+(the command Prefect runs for its temporary server: uvicorn serving ``prefect.server.api.server:create_app``), so that
+it boots while the run's modules import, and points Prefect's clients at it through PREFECT_API_URL (handing it over
+as Prefect's own ``SubprocessASGIServer`` would import Prefect's whole server, its API routes, FastAPI and SQLAlchemy,
+into the command: seconds of CPU on the start-up's path). Once it answers it runs at the lowest CPU priority
+(``infra.stack.LOWEST_PRIORITY``): it records task runs from their events asynchronously, and at normal priority on a
+small CPU machine it preempts the workers mid-stage. The command stops it (:func:`stop_temporary_server`; at exit at
+the latest).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def console_without_tracebacks() -> None:
             handler.addFilter(_WithoutTraceback())
 
 
-STARTED: dict[str, object] = {}  # the temporary server this process started ("server") and since when ("since")
+STARTED: dict[str, object] = {}  # the temporary server this process started: its "process", "api_url", "since"
 FINAL_STATES = ["COMPLETED", "FAILED", "CRASHED", "CANCELLED"]
 
 
@@ -88,30 +90,33 @@ def server_command(port: int) -> list[str]:
 
 
 def start_temporary_server(timeout_s: float = 120.0) -> Callable[[], None]:
-    """Launch Prefect's temporary server now and hand it to Prefect from a thread; returns the wait for it (until it
-    answers), to call before the flow runs (nothing to wait for when PREFECT_API_URL is set). Its process gets this
-    process's environment, Prefect's settings included."""
+    """Launch Prefect's temporary server now and point PREFECT_API_URL at it; returns the wait for it (until it
+    answers), to call before the flow runs (nothing to wait for when PREFECT_API_URL is already set). Its process gets
+    this process's environment, Prefect's settings included."""
     if os.environ.get("PREFECT_API_URL"):
         return lambda: None
     port = free_port()
     process = subprocess.Popen(server_command(port), env={**os.environ, **TEMPORARY_SERVER_ENV})
-    since = datetime.now(timezone.utc)
+    api_url = f"http://127.0.0.1:{port}/api"
+    os.environ["PREFECT_API_URL"] = api_url
+    if "prefect.context" in sys.modules:  # Prefect read its settings when imported: read them again
+        from prefect.context import refresh_global_settings_context
 
-    def hand_over() -> None:
+        refresh_global_settings_context()
+    STARTED.update(process=process, api_url=api_url, since=datetime.now(timezone.utc))
+    atexit.register(_end, process)
+
+    def wait_until_answering() -> None:
         import httpx
-        from prefect.server.api.server import SubprocessASGIServer
 
         from infra.stack import lower_priority
 
-        server = SubprocessASGIServer()  # what Prefect's clients use when no API URL is set
-        server.port, server.server_process, server.running = port, process, True
-        atexit.register(server.stop)
         deadline = time.monotonic() + timeout_s
         while True:
             if process.poll() is not None:
                 raise RuntimeError(f"Prefect's temporary server exited with code {process.returncode} while starting")
             try:
-                if httpx.get(f"{server.api_url}/health", timeout=5).status_code == 200:
+                if httpx.get(f"{api_url}/health", timeout=5).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
@@ -119,13 +124,12 @@ def start_temporary_server(timeout_s: float = 120.0) -> Callable[[], None]:
                 raise RuntimeError(f"Prefect's temporary server did not answer within {timeout_s:.0f} s")
             time.sleep(0.1)
         lower_priority(process.pid)
-        STARTED.update(server=server, since=since)
 
     failed: list[BaseException] = []
 
     def run() -> None:
         try:
-            hand_over()
+            wait_until_answering()
         except BaseException as error:  # raised by the wait, in the command's thread
             process.kill()
             failed.append(error)
@@ -141,12 +145,27 @@ def start_temporary_server(timeout_s: float = 120.0) -> Callable[[], None]:
     return wait
 
 
+def is_temporary_server(api_url: str | None) -> bool:
+    """Whether ``api_url`` is the temporary server this command started (it ends with the command)."""
+    return api_url is not None and api_url == STARTED.get("api_url")
+
+
+def _end(process: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 def stop_temporary_server(timeout_s: float = 30.0) -> None:
     """Stop the temporary server this process started once it has recorded the task runs this process made (the
     client's queued events and logs are sent first; at most ``timeout_s``). Stopped earlier, its task-run recorder is
     cancelled mid-write: it prints tracebacks after a run that succeeded, and the last states are lost."""
-    server = STARTED.pop("server", None)
-    if server is None or server.server_process is None:
+    process = STARTED.pop("process", None)
+    if process is None or process.poll() is not None:
         return
     from prefect.events.worker import EventsWorker
     from prefect.logging.handlers import APILogWorker
@@ -159,11 +178,11 @@ def stop_temporary_server(timeout_s: float = 30.0) -> None:
     APILogWorker.drain_all(timeout=5)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        recorded = count_task_runs(server.api_url, STARTED["since"], FINAL_STATES)
+        recorded = count_task_runs(STARTED["api_url"], STARTED["since"], FINAL_STATES)
         if recorded < 0 or recorded >= task_runs:  # < 0: the server does not answer
             break
         time.sleep(0.25)
-    server.stop()
+    _end(process)
 
 
 def count_task_runs(api_url: str, since: datetime, states: list[str] | None = None) -> int:

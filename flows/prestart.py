@@ -46,6 +46,7 @@ class Prestarted:
     workers_digest: str = ""  # the worker settings (step count planned) the group was built from
     notes: list[str] = field(default_factory=list)  # what loading the models said (the session logs it)
     seconds: float = 0.0
+    imported: threading.Event = field(default_factory=threading.Event)  # its modules (torch, transformers, workers')
     inputs_done: threading.Event = field(default_factory=threading.Event)  # the lock and the inputs (the group follows)
     done: threading.Event = field(default_factory=threading.Event)
     released: bool = False  # the command ended first: the thread frees what it makes
@@ -75,17 +76,18 @@ def _make(started: Prestarted, config: DictConfig) -> None:
     began = time.perf_counter()
     workers_started = None
     try:
-        # imported here, not by the command: the thread starts before the command imports the flow (seconds of torch,
-        # transformers, Prefect and MLflow), and loads the inputs meanwhile
-        from flows.inputs import TrainingInputs, plan_steps
-        from flows.workers import load_models
-
         # the mark tells this process's input checks that the folder is held for the run they check, not by another
         started.folder_lock = StepCheckpoints(started.folder).lock(
             {"run": config.trainer.experiment_name, PRESTART_MARK: os.getpid()}
         )
-        # the worker processes start (each imports torch and the models' code) while this thread loads the inputs
+        # imported here, not by the command: the thread starts before the command imports the flow; the worker
+        # processes start (each imports torch and the models' code) as soon as Ray answers, then the inputs load
+        from flows.workers import load_models
+
         workers_started = _start_workers(copy.deepcopy(config))
+        from flows.inputs import TrainingInputs, plan_steps
+
+        started.imported.set()
         apply_embedded_defaults(config)  # the demo's assets: built once (their lines are the run's first), then cached
         started.inputs_record = _record(config)
         started.inputs = TrainingInputs.load(config)
@@ -102,6 +104,7 @@ def _make(started: Prestarted, config: DictConfig) -> None:
     finally:
         started.seconds = time.perf_counter() - began
         with started.lock:
+            started.imported.set()
             started.inputs_done.set()
             started.done.set()
             if started.released:
@@ -130,6 +133,13 @@ def _start_workers(config: DictConfig) -> Callable[[], Any]:
         return result.get("group")
 
     return started_group
+
+
+def wait_for_imports() -> None:
+    """Until the prestart (if any) has imported its modules. Two threads importing transformers at once can fail
+    (``cannot import name ...`` from its lazy module, seen here): the command imports the flow after."""
+    if _prestarted is not None:
+        _prestarted.imported.wait()
 
 
 def wait(inputs_only: bool = False) -> None:

@@ -76,6 +76,7 @@ def _train(args: argparse.Namespace) -> int:
     from flows import prestart
 
     prestart.prestart(config)  # a fresh run's inputs and workers, in a thread
+    prestart.wait_for_imports()  # then the flow's modules (Prefect, MLflow) while the workers start
     try:
         from flows.secrets import hide_secret_overrides
         from flows.train import summary_line, train

@@ -26,7 +26,7 @@ configure_prefect()
 start_temporary_server()()
 from prefect.client.orchestration import get_client
 from flows.prefect_server import STARTED
-assert str(get_client().api_url).startswith(STARTED["server"].api_url)  # Prefect's clients use the launched server
+assert str(get_client().api_url).startswith(STARTED["api_url"])  # Prefect's clients use the launched server
 many(int(sys.argv[1]))
 stop_temporary_server()
 """
