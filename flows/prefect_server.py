@@ -5,10 +5,11 @@ API call. :func:`start_temporary_server` starts that server early instead: it la
 (the command Prefect runs for its temporary server: uvicorn serving ``prefect.server.api.server:create_app``), so that
 it boots while the run's modules import, and points Prefect's clients at it through PREFECT_API_URL (handing it over
 as Prefect's own ``SubprocessASGIServer`` would import Prefect's whole server, its API routes, FastAPI and SQLAlchemy,
-into the command: seconds of CPU on the start-up's path). Once it answers it runs at the lowest CPU priority
-(``infra.stack.LOWEST_PRIORITY``): it records task runs from their events asynchronously, and at normal priority on a
-small CPU machine it preempts the workers mid-stage. The command stops it (:func:`stop_temporary_server`; at exit at
-the latest).
+into the command: seconds of CPU on the start-up's path). It runs at the lowest CPU priority
+(``infra.stack.LOWEST_PRIORITY``) from its start: the flow needs it only once its modules are imported, while Ray's
+processes and the workers start beside it; and it records task runs from their events asynchronously, which at normal
+priority on a small CPU machine preempts the workers mid-stage. The command stops it (:func:`stop_temporary_server`;
+at exit at the latest).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
+
+from infra.stack import lower_priority
 
 
 def configure_prefect() -> None:
@@ -97,8 +100,10 @@ def start_temporary_server(timeout_s: float = 120.0) -> Callable[[], None]:
         return lambda: None
     port = free_port()
     process = subprocess.Popen(server_command(port), env={**os.environ, **TEMPORARY_SERVER_ENV})
+    lower_priority(process.pid)  # it boots on what Ray's processes and the workers leave of the CPUs
     api_url = f"http://127.0.0.1:{port}/api"
     os.environ["PREFECT_API_URL"] = api_url
+    os.environ["PREFECT_UI_URL"] = ""  # it serves no UI and ends with the command: no links to it
     if "prefect.context" in sys.modules:  # Prefect read its settings when imported: read them again
         from prefect.context import refresh_global_settings_context
 
@@ -108,8 +113,6 @@ def start_temporary_server(timeout_s: float = 120.0) -> Callable[[], None]:
 
     def wait_until_answering() -> None:
         import httpx
-
-        from infra.stack import lower_priority
 
         deadline = time.monotonic() + timeout_s
         while True:
@@ -123,7 +126,6 @@ def start_temporary_server(timeout_s: float = 120.0) -> Callable[[], None]:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"Prefect's temporary server did not answer within {timeout_s:.0f} s")
             time.sleep(0.1)
-        lower_priority(process.pid)
 
     failed: list[BaseException] = []
 
@@ -143,11 +145,6 @@ def start_temporary_server(timeout_s: float = 120.0) -> Callable[[], None]:
             raise failed[0]
 
     return wait
-
-
-def is_temporary_server(api_url: str | None) -> bool:
-    """Whether ``api_url`` is the temporary server this command started (it ends with the command)."""
-    return api_url is not None and api_url == STARTED.get("api_url")
 
 
 def _end(process: subprocess.Popen, timeout_s: float = 10.0) -> None:

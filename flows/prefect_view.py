@@ -51,10 +51,8 @@ def prefect_ui_url() -> str | None:
     run; None under the temporary server a command starts (gone when the command ends)."""
     from prefect.settings import get_current_settings
 
-    from flows.prefect_server import is_temporary_server
-
     settings = get_current_settings()
-    return settings.ui_url if settings.api.url and not is_temporary_server(settings.api.url) else None
+    return (settings.ui_url or None) if settings.api.url else None  # "": the temporary server (flows/prefect_server.py)
 
 
 def one_line(error: BaseException) -> str:

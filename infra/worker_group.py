@@ -2,8 +2,8 @@
 
 * Actors are named ``<prefix>-rank<r>``, detached, in the run's namespace: a later driver (a retried flow run)
   reattaches with :meth:`WorkerGroup.reattach` instead of reloading models; :meth:`WorkerGroup.kill` ends them.
-* Each actor gets RANK / WORLD_SIZE / LOCAL_RANK; rank 0 picks MASTER_ADDR / MASTER_PORT and every rank joins
-  the torch.distributed group (gloo on CPU, nccl on GPU).
+* Each actor gets RANK / WORLD_SIZE / LOCAL_RANK (set by its constructor); rank 0 picks MASTER_ADDR / MASTER_PORT
+  and every rank joins the torch.distributed group (gloo on CPU, nccl on GPU).
 * ``group.role("actor_rollout_ref").update_actor(batch)`` calls ``actor_rollout_ref_update_actor`` on the
   ranks as the method's dispatch mode says, and waits at most ``timeout_s``: a dead worker is an error naming
   it as soon as Ray reports the death (never a hang on its peers), a slow one an error naming the stage and
@@ -81,7 +81,9 @@ class WorkerGroup:
         env_vars: dict[str, str] | None = None,
     ) -> WorkerGroup:
         """Start one fused worker per bundle of ``pool`` and join them in a process group. The pool's placement
-        groups are created here, named after ``prefix`` (so that :meth:`kill` finds them after a reattach)."""
+        groups are created here, named after ``prefix`` (so that :meth:`kill` finds them after a reattach).
+        ``env_vars``: what the worker processes need from their start (PYTHONPATH); without it an actor takes one of
+        the idle processes Ray keeps started."""
         if not pool.placement_groups:
             pool.create(placement_group_prefix(namespace, prefix), timeout_s)
         remote_class = ray.remote(fused_worker_class(role_specs))
@@ -90,23 +92,24 @@ class WorkerGroup:
         try:
             for rank, (group, bundle_index, local_rank) in enumerate(pool.slots()):
                 name = f"{prefix}-rank{rank}"
-                env = {**(env_vars or {}), "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local_rank)}
+                rank_env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local_rank)}
                 options: dict[str, Any] = {
                     "name": name,
                     "namespace": namespace,
                     "lifetime": "detached",
                     "max_restarts": 0,
                     "num_cpus": pool.cpus_per_worker * share,
-                    "runtime_env": {"env_vars": env},
                     "scheduling_strategy": PlacementGroupSchedulingStrategy(
                         placement_group=group, placement_group_bundle_index=bundle_index
                     ),
                 }
+                if env_vars:  # what the process needs from its start (PYTHONPATH): a process of its own
+                    options["runtime_env"] = {"env_vars": env_vars}
                 if pool.accelerator == "GPU":
                     options["num_gpus"] = share
                 elif pool.accelerator:
                     options["resources"] = {pool.accelerator: share}
-                actors.append(remote_class.options(**options).remote(role_specs))
+                actors.append(remote_class.options(**options).remote(role_specs, rank_env))
                 names.append(name)
             group = cls(actors, names, role_specs, namespace, prefix)
             if world > 1:

@@ -79,10 +79,12 @@ def _train(args: argparse.Namespace) -> int:
     prestart.wait_for_imports()  # then the flow's modules (Prefect, MLflow) while the workers start
     try:
         from flows.secrets import hide_secret_overrides
+        from flows.tracking import open_store, tracking_uri
         from flows.train import summary_line, train
 
         overrides = hide_secret_overrides(args.overrides)  # a secret override never becomes a stored flow-run parameter
         phase(args, "the flow's modules imported")
+        open_store(tracking_uri(config))  # while Prefect's server boots: MLflow opens a store once per process
         server_ready()
         phase(args, "Prefect's server up (the set-up line gives Ray's and the workers' times)")
         result = train.with_options(retries=args.retries, retry_delay_seconds=5)(overrides=overrides)

@@ -27,6 +27,8 @@ start_temporary_server()()
 from prefect.client.orchestration import get_client
 from flows.prefect_server import STARTED
 assert str(get_client().api_url).startswith(STARTED["api_url"])  # Prefect's clients use the launched server
+from flows.prefect_view import prefect_ui_url
+assert prefect_ui_url() is None  # no links to a server that ends with the command (it serves no UI either)
 many(int(sys.argv[1]))
 stop_temporary_server()
 """
@@ -41,6 +43,7 @@ def test_the_temporary_server_stops_after_recording_every_task_run(tmp_path):
     )
     output = done.stdout + done.stderr
     assert done.returncode == 0 and "Traceback" not in output and " ERROR " not in output, output[-3000:]
+    assert "Beginning flow run" in output and "View at" not in output  # Prefect's own link to the UI neither
     with sqlite3.connect(tmp_path / "prefect.db") as db:
         states = dict(db.execute("select state_type, count(*) from task_run group by state_type").fetchall())
         names = {name for (name,) in db.execute("select distinct name from task_run")}
