@@ -1,0 +1,107 @@
+"""How long ``ppoflow train`` takes to its first step line: the command a user types, timed from the process's start
+(interpreter start and imports included) to the ``step 1/2`` line, on the embedded default (a local Ray cluster and
+Prefect's temporary server started by the command) or on a running ``ppoflow up`` stack.
+
+    python bench/startup.py [--runs 5] [--stack] [--baseline PATH]
+
+A first run per code builds the demo's assets and the MLflow store (not timed), as a user's second run finds them.
+``--baseline PATH``: another checkout of the project (e.g. ``git worktree add /tmp/base HEAD~1``), run alternately with
+this one (its modules first on PYTHONPATH; with ``--stack`` each code gets a stack of its own, started with it, since
+the stack's Ray workers import the stack's code). Run it alone: the start-up is CPU-bound on a small machine. Prints a
+table (each run, the median) and, last, one JSON line ``{"codes": {name: {"seconds", "median_s"}}}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FIRST_STEP = "step 1/"
+
+
+def ppoflow(*args: str) -> list[str]:
+    return [sys.executable, "-m", "flows.cli", *args]
+
+
+def environment(code: Path, scratch: Path) -> dict[str, str]:
+    """The command's environment: ``code``'s modules first, the scratch folder as its home (demo assets, stack)."""
+    return {**os.environ, "PYTHONPATH": str(code), "PPOFLOW_HOME": str(scratch / "home")}
+
+
+def time_to_first_step(code: Path, scratch: Path, name: str) -> float:
+    """Seconds from starting ``ppoflow train`` (a fresh run of 2 steps) to its first step line; the run then ends."""
+    overrides = ["trainer.total_training_steps=2", f"trainer.experiment_name={name}"]
+    overrides.append(f"trainer.default_local_dir={scratch / 'checkpoints' / name}")
+    started = time.monotonic()
+    command = subprocess.Popen(
+        ppoflow("train", *overrides),
+        cwd=scratch,
+        env=environment(code, scratch),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    seconds, output = None, []
+    for line in command.stdout:
+        output.append(line)
+        if seconds is None and FIRST_STEP in line:
+            seconds = time.monotonic() - started
+    if command.wait() != 0 or seconds is None:
+        raise SystemExit(f"{code}: `ppoflow train` failed (exit {command.returncode}):\n{''.join(output[-40:])}")
+    return seconds
+
+
+def stack(code: Path, scratch: Path, action: str) -> None:
+    """``ppoflow up`` / ``ppoflow down`` with ``code``."""
+    result = subprocess.run(
+        ppoflow(action), cwd=scratch, env=environment(code, scratch), capture_output=True, text=True
+    )
+    if result.returncode != 0:
+        raise SystemExit(f"`ppoflow {action}` failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--stack", action="store_true", help="on a running `ppoflow up` stack")
+    parser.add_argument("--baseline", type=Path, help="another checkout, run alternately with this one")
+    args = parser.parse_args()
+    codes = {"this": ROOT, **({"baseline": args.baseline.resolve()} if args.baseline else {})}
+    seconds: dict[str, list[float]] = {name: [] for name in codes}
+    with tempfile.TemporaryDirectory(prefix="ppoflow-startup-") as folder:
+        scratch = Path(folder)
+        if args.stack:  # one code's runs after the other's, each on its own stack
+            for name, code in codes.items():
+                stack(code, scratch, "up")
+                try:
+                    time_to_first_step(code, scratch, f"{name}-warm-up")
+                    for run in range(args.runs):
+                        seconds[name].append(time_to_first_step(code, scratch, f"{name}-{run}"))
+                finally:
+                    stack(code, scratch, "down")
+        else:
+            for name, code in codes.items():
+                time_to_first_step(code, scratch, f"{name}-warm-up")
+            for run in range(args.runs):
+                for name, code in codes.items():
+                    seconds[name].append(time_to_first_step(code, scratch, f"{name}-{run}"))
+    where = "a `ppoflow up` stack" if args.stack else "the embedded default"
+    print(f"seconds to the first step line, {where}")
+    print(f"{'code':<10}{'median':>8}  runs")
+    results = {}
+    for name, times in seconds.items():
+        results[name] = {"seconds": [round(s, 2) for s in times], "median_s": round(statistics.median(times), 2)}
+        print(f"{name:<10}{results[name]['median_s']:>8.2f}  {' '.join(f'{s:.2f}' for s in times)}")
+    print(json.dumps({"where": "stack" if args.stack else "embedded", "codes": results}))
+
+
+if __name__ == "__main__":
+    main()
