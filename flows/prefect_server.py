@@ -102,12 +102,7 @@ def start_temporary_server(timeout_s: float = 120.0) -> Callable[[], None]:
     process = subprocess.Popen(server_command(port), env={**os.environ, **TEMPORARY_SERVER_ENV})
     lower_priority(process.pid)  # it boots on what Ray's processes and the workers leave of the CPUs
     api_url = f"http://127.0.0.1:{port}/api"
-    os.environ["PREFECT_API_URL"] = api_url
-    os.environ["PREFECT_UI_URL"] = ""  # it serves no UI and ends with the command: no links to it
-    if "prefect.context" in sys.modules:  # Prefect read its settings when imported: read them again
-        from prefect.context import refresh_global_settings_context
-
-        refresh_global_settings_context()
+    _point_prefect_at({"PREFECT_API_URL": api_url, "PREFECT_UI_URL": ""})  # "": no links to a server without a UI
     STARTED.update(process=process, api_url=api_url, since=datetime.now(timezone.utc))
     atexit.register(_end, process)
 
@@ -147,6 +142,20 @@ def start_temporary_server(timeout_s: float = 120.0) -> Callable[[], None]:
     return wait
 
 
+def _point_prefect_at(settings: dict[str, str | None]) -> None:
+    """Set (or, for None, unset) Prefect's settings in the environment; Prefect reads them when imported, so an
+    imported Prefect reads them again."""
+    for key, value in settings.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    if "prefect.context" in sys.modules:
+        from prefect.context import refresh_global_settings_context
+
+        refresh_global_settings_context()
+
+
 def _end(process: subprocess.Popen, timeout_s: float = 10.0) -> None:
     if process.poll() is None:
         process.terminate()
@@ -160,10 +169,21 @@ def _end(process: subprocess.Popen, timeout_s: float = 10.0) -> None:
 def stop_temporary_server(timeout_s: float = 30.0) -> None:
     """Stop the temporary server this process started once it has recorded the task runs this process made (the
     client's queued events and logs are sent first; at most ``timeout_s``). Stopped earlier, its task-run recorder is
-    cancelled mid-write: it prints tracebacks after a run that succeeded, and the last states are lost."""
+    cancelled mid-write: it prints tracebacks after a run that succeeded, and the last states are lost. Prefect is
+    pointed at no server again."""
     process = STARTED.pop("process", None)
-    if process is None or process.poll() is not None:
+    if process is None:
         return
+    try:
+        if process.poll() is None:
+            _record_then_end(process, timeout_s)
+    finally:
+        if os.environ.get("PREFECT_API_URL") == STARTED["api_url"]:  # not a server of its own for the next flow
+            _point_prefect_at({"PREFECT_API_URL": None, "PREFECT_UI_URL": None})
+
+
+def _record_then_end(process: subprocess.Popen, timeout_s: float) -> None:
+    """End the server once it has recorded this process's task runs (at most ``timeout_s``)."""
     from prefect.events.worker import EventsWorker
     from prefect.logging.handlers import APILogWorker
 

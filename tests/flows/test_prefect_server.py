@@ -31,6 +31,8 @@ from flows.prefect_view import prefect_ui_url
 assert prefect_ui_url() is None  # no links to a server that ends with the command (it serves no UI either)
 many(int(sys.argv[1]))
 stop_temporary_server()
+import os
+assert "PREFECT_API_URL" not in os.environ  # a later flow of this process is not pointed at the ended server
 """
 
 
