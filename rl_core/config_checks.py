@@ -25,6 +25,7 @@ CHOICES = {
     "trainer.device": DEVICES,
     "actor_rollout_ref.actor.fsdp_config.dtype": tuple(COMPUTE_DTYPE_NAMES),
     "critic.fsdp.dtype": tuple(COMPUTE_DTYPE_NAMES),
+    "actor_rollout_ref.rollout.dtype": tuple(COMPUTE_DTYPE_NAMES),
     "trainer.resume_mode": ("auto", "disable", "resume_path"),
     "actor_rollout_ref.rollout.multi_turn.format": ("hermes", "tag"),
     "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side": ("left", "middle", "right"),

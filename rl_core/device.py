@@ -5,6 +5,7 @@
 * Weights are stored in ``model.dtype`` (verl's ``model_dtype``: float32 master weights by default) and the forward
   and backward passes run in ``fsdp_config.dtype`` (``auto``: bfloat16 on CUDA, float32 on CPU) under
   :func:`autocast` — the usual mixed precision: bf16 matmuls, fp32 weights, gradients and optimizer state.
+  Generation runs in ``rollout.dtype`` (:func:`rollout_dtype`; ``auto``: bf16 wherever the hardware computes it).
 * :func:`on_worker_device` moves a stage's Batch to the worker's device on the way in and the result back to the
   CPU on the way out (what crosses Ray, checkpoints and the controller is always on the CPU).
 """
@@ -59,13 +60,26 @@ def cuda_device_index(local_rank: int, visible_devices: int) -> int:
 
 
 def compute_dtype(name: str, device: str) -> torch.dtype:
-    """The dtype of forward/backward compute for ``fsdp_config.dtype=name`` on ``device``."""
+    """The dtype of forward/backward compute for ``fsdp_config.dtype=name`` on ``device`` (auto: bf16 on CUDA)."""
+    return _named_dtype("fsdp_config.dtype", name, auto=torch.bfloat16 if device == "cuda" else torch.float32)
+
+
+def rollout_dtype(name: str, device: str) -> torch.dtype:
+    """The dtype generation computes in for ``rollout.dtype=name`` on ``device`` (auto: bf16 on CUDA and on a CPU
+    with bf16 instructions, where it is the faster; float32 on other CPUs, which emulate bf16)."""
+    native_bf16 = device == "cuda" or cpu_computes_bf16()
+    return _named_dtype("rollout.dtype", name, auto=torch.bfloat16 if native_bf16 else torch.float32)
+
+
+def cpu_computes_bf16() -> bool:
+    """Whether this CPU has bf16 instructions (AMX tiles or AVX512_BF16), which torch's CPU kernels use."""
+    return bool(torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
+
+
+def _named_dtype(key: str, name: str, auto: torch.dtype) -> torch.dtype:
     if name not in COMPUTE_DTYPES:
-        raise DeviceError(f"fsdp_config.dtype={name!r}: choose one of {', '.join(COMPUTE_DTYPES)}")
-    chosen = COMPUTE_DTYPES[name]
-    if chosen is None:
-        return torch.bfloat16 if device == "cuda" else torch.float32
-    return chosen
+        raise DeviceError(f"{key}={name!r}: choose one of {', '.join(COMPUTE_DTYPES)}")
+    return COMPUTE_DTYPES[name] or auto
 
 
 def autocast(device: str, dtype: torch.dtype) -> contextlib.AbstractContextManager:

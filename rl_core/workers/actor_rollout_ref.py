@@ -7,7 +7,8 @@ is the same module with the adapter disabled.
 
 Models live on ``device`` (``cpu`` or ``cuda``, chosen by the controller from ``trainer.device``); each stage gets
 its Batch moved there and returns its result on the CPU (:func:`rl_core.device.on_worker_device`). Forward passes
-run in ``actor.fsdp_config.dtype`` over ``model.dtype`` weights (mixed precision, :func:`rl_core.device.autocast`).
+run in ``actor.fsdp_config.dtype`` over ``model.dtype`` weights (mixed precision, :func:`rl_core.device.autocast`),
+generation in ``rollout.dtype`` (:func:`rl_core.device.rollout_dtype`).
 
 Stage methods take a :class:`rl_core.batch.Batch` and return a Batch, or the update's metrics:
   generate_sequences(prompts)  -> sequences, one per prompt row (see rl_core.rollout.base)
@@ -46,7 +47,7 @@ from rl_core.batch_fields import (
     TEMPERATURE,
 )
 from rl_core.checkpoint import rng_state, set_rng_state
-from rl_core.device import autocast, compute_dtype, memory_metrics, on_worker_device
+from rl_core.device import autocast, compute_dtype, memory_metrics, on_worker_device, rollout_dtype
 from rl_core.models.flops import update_mfu
 from rl_core.models.loading import (
     ModelLoadWarning,
@@ -104,6 +105,7 @@ class ActorRolloutRefWorker:
         self.rollout_config = config.rollout
         self.device = device
         self.compute_dtype = compute_dtype(config.actor.fsdp_config.dtype, device)
+        self.rollout_dtype = rollout_dtype(config.rollout.dtype, device)
         self.remove_padding = bool(config.model.use_remove_padding)  # off when the model fails the check at load
         self.module: torch.nn.Module | None = None
         self.ref_module: torch.nn.Module | None = None
@@ -175,7 +177,7 @@ class ActorRolloutRefWorker:
             tokenizer=self.tokenizer,
             rollout_config=self.rollout_config,
             model_config=self.model_config,
-            compute_dtype=self.compute_dtype,
+            compute_dtype=self.rollout_dtype,
         )
         if self.partial_rollout:
             engine.newer_weights = NewerWeights(
@@ -193,7 +195,7 @@ class ActorRolloutRefWorker:
     def generate_sequences(self, prompts: Batch) -> Batch:
         """Each rank samples for its shard of prompts with the full (gathered) live weights."""
         self._require(self.is_rollout, "generate_sequences", "rollout")
-        with full_parameters(self.module), autocast(self.device, self.compute_dtype):
+        with full_parameters(self.module), autocast(self.device, self.rollout_dtype):
             return self.rollout.generate_sequences(prompts)
 
     @dispatch(DP_COMPUTE)

@@ -72,6 +72,7 @@ VERL_DEFAULTS = {
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": None,
     "actor_rollout_ref.rollout.calculate_log_probs": True,
     "actor_rollout_ref.rollout.do_sample": True,
+    "actor_rollout_ref.rollout.dtype": "bfloat16",
     "actor_rollout_ref.rollout.enforce_eager": False,
     "actor_rollout_ref.rollout.free_cache_engine": True,
     "actor_rollout_ref.rollout.gpu_memory_utilization": 0.5,
@@ -190,6 +191,8 @@ DELIBERATE_DIFFERENCES = {
     "actor_rollout_ref.rollout.tensor_model_parallel_size": "tensor parallelism is vllm's only; 1 runs on one GPU",
     "actor_rollout_ref.actor.fsdp_config.dtype": "auto = bfloat16 on CUDA (verl's), float32 on the CPU",
     "critic.fsdp.dtype": "auto = bfloat16 on CUDA (verl's), float32 on the CPU",
+    "actor_rollout_ref.rollout.dtype": "auto = bfloat16 on CUDA (verl's) and on CPUs with bf16 instructions, float32 "
+    "on other CPUs",
     "data.seed": "verl's null leaves the shuffle unseeded; 1 makes runs repeat and resume exactly",
     "custom_reward_function.name": "verl's null means compute_score",
     "reward_model.enable": "verl's null means false",

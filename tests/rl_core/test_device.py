@@ -6,9 +6,17 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from rl_core import device
 from rl_core.batch import Batch
 from rl_core.config_checks import ConfigValueError, check_config
-from rl_core.device import DeviceError, compute_dtype, cuda_device_index, on_worker_device, resolve_device
+from rl_core.device import (
+    DeviceError,
+    compute_dtype,
+    cuda_device_index,
+    on_worker_device,
+    resolve_device,
+    rollout_dtype,
+)
 from rl_core.input_checks import device_problems
 from rl_core.models.flops import matmul_weights, mfu, peak_flops, training_flops
 from rl_core.models.loading import load_policy_model
@@ -115,6 +123,36 @@ def test_bf16_compute_keeps_fp32_weights_and_matches_fp32_log_probs(tmp_path, co
     assert any(not torch.equal(before[k], v) for k, v in worker.module.state_dict().items())
     # GPU-only metrics
     assert "perf/mfu/actor" not in metrics and not any(k.startswith("perf/max_memory") for k in metrics)
+
+
+def test_the_rollout_dtype_auto_is_bf16_where_the_hardware_computes_it(monkeypatch):
+    """verl samples in bf16; on a CPU without bf16 instructions torch emulates it (slower), so auto keeps float32
+    there. The probe of this CPU is replaced to see both kinds of CPU."""
+    assert rollout_dtype("auto", "cuda") == torch.bfloat16 and rollout_dtype("float32", "cuda") == torch.float32
+    for has_bf16, expected in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(device, "cpu_computes_bf16", lambda has_bf16=has_bf16: has_bf16)
+        assert rollout_dtype("auto", "cpu") == expected and rollout_dtype("bf16", "cpu") == torch.bfloat16
+    with pytest.raises(DeviceError, match="rollout.dtype='half': choose one of auto, float32"):
+        rollout_dtype("half", "cpu")
+
+
+def test_generation_computes_in_the_rollout_dtype_and_the_passes_in_their_own(tmp_path, config):
+    """rollout.dtype=bfloat16 over float32 training: the sampler's log-probs differ from the recomputed float32 ones
+    by bf16's precision (they are equal to float32's precision when both compute in float32)."""
+    dataset = addition_dataset(tmp_path, load_policy_model(config.actor_rollout_ref.model)[1], config.data, count=4)
+    prompts = dataset.collate(list(range(4)), uid_prefix="s0-").repeat_interleave(4)
+    differences = {}
+    for dtype in ("float32", "bfloat16"):
+        node = OmegaConf.create(OmegaConf.to_container(config.actor_rollout_ref, resolve=True))
+        node.rollout.dtype, node.rollout.calculate_log_probs, node.actor.fsdp_config.dtype = dtype, True, "float32"
+        worker = ActorRolloutRefWorker(node, "actor_rollout")
+        worker.init_model()
+        sequences = worker.generate_sequences(prompts)
+        recomputed = worker.compute_log_prob(sequences).tensors["old_log_probs"]
+        mask = sequences.tensors["response_mask"].bool()
+        differences[dtype] = float((sequences.tensors["rollout_log_probs"] - recomputed)[mask].abs().max())
+    assert differences["float32"] < 1e-4
+    assert 1e-3 < differences["bfloat16"] < 0.5, differences
 
 
 def test_static_kv_cache_rollout_gives_the_eager_tokens(tmp_path, config):
