@@ -256,9 +256,10 @@ class CheckpointEngineConfig:
 class RolloutConfig:
     name: str = "hf"  # hf (CPU or GPU) | vllm (GPU: `pip install 'ppoflow[gpu]'`; CPU: vLLM's CPU build, README)
     # the dtype generation computes in (verl's rollout.dtype; verl's HF rollout always samples under bf16 autocast):
-    # auto = bfloat16 on CUDA and on a CPU with bf16 instructions (AMX or AVX512_BF16), float32 on other CPUs (where
-    # bf16 is emulated and slower) | bfloat16 | float32 | float16. The trainer's passes keep fsdp_config.dtype: the
-    # samples' log-probs then differ slightly from the recomputed ones, as with vLLM (training/rollout_probs_diff_*)
+    # auto = bfloat16 on CUDA and on a CPU with bf16 instructions (AMX or AVX512_BF16) for a model >= 256 wide,
+    # float32 otherwise (emulated bf16, or a model too narrow to gain) | bfloat16 | float32 | float16. The trainer's
+    # passes keep fsdp_config.dtype: the samples' log-probs then differ slightly from the recomputed ones, as with
+    # vLLM (training/rollout_probs_diff_*)
     dtype: str = "auto"
     n: int = 1  # responses per prompt (GRPO, RLOO, ... need several)
     temperature: float = 1.0

@@ -105,7 +105,7 @@ class ActorRolloutRefWorker:
         self.rollout_config = config.rollout
         self.device = device
         self.compute_dtype = compute_dtype(config.actor.fsdp_config.dtype, device)
-        self.rollout_dtype = rollout_dtype(config.rollout.dtype, device)
+        self.rollout_dtype = torch.float32  # rollout.dtype resolved for the loaded model (init_model)
         self.remove_padding = bool(config.model.use_remove_padding)  # off when the model fails the check at load
         self.module: torch.nn.Module | None = None
         self.ref_module: torch.nn.Module | None = None
@@ -165,6 +165,8 @@ class ActorRolloutRefWorker:
                         self.ref_module.requires_grad_(False).eval().to(self.device), fsdp_config, self.compute_dtype
                     )
             if self.is_rollout:
+                hidden_size = self.module.config.get_text_config().hidden_size
+                self.rollout_dtype = rollout_dtype(self.rollout_config.dtype, self.device, hidden_size)
                 self.rollout = self._build_rollout()
         return notes
 

@@ -191,8 +191,8 @@ DELIBERATE_DIFFERENCES = {
     "actor_rollout_ref.rollout.tensor_model_parallel_size": "tensor parallelism is vllm's only; 1 runs on one GPU",
     "actor_rollout_ref.actor.fsdp_config.dtype": "auto = bfloat16 on CUDA (verl's), float32 on the CPU",
     "critic.fsdp.dtype": "auto = bfloat16 on CUDA (verl's), float32 on the CPU",
-    "actor_rollout_ref.rollout.dtype": "auto = bfloat16 on CUDA (verl's) and on CPUs with bf16 instructions, float32 "
-    "on other CPUs",
+    "actor_rollout_ref.rollout.dtype": "auto = bfloat16 on CUDA (verl's) and where a CPU computes it faster, else "
+    "float32",
     "data.seed": "verl's null leaves the shuffle unseeded; 1 makes runs repeat and resume exactly",
     "custom_reward_function.name": "verl's null means compute_score",
     "reward_model.enable": "verl's null means false",

@@ -125,15 +125,17 @@ def test_bf16_compute_keeps_fp32_weights_and_matches_fp32_log_probs(tmp_path, co
     assert "perf/mfu/actor" not in metrics and not any(k.startswith("perf/max_memory") for k in metrics)
 
 
-def test_the_rollout_dtype_auto_is_bf16_where_the_hardware_computes_it(monkeypatch):
-    """verl samples in bf16; on a CPU without bf16 instructions torch emulates it (slower), so auto keeps float32
-    there. The probe of this CPU is replaced to see both kinds of CPU."""
-    assert rollout_dtype("auto", "cuda") == torch.bfloat16 and rollout_dtype("float32", "cuda") == torch.float32
-    for has_bf16, expected in ((True, torch.bfloat16), (False, torch.float32)):
+def test_the_rollout_dtype_auto_is_bf16_where_it_is_the_faster(monkeypatch):
+    """verl samples in bf16; on a CPU without bf16 instructions torch emulates it (slower), and for a narrow model
+    autocast's per-op cost outweighs the smaller matmuls: auto keeps float32 there. The probe of this CPU is replaced
+    to see both kinds of CPU."""
+    assert rollout_dtype("auto", "cuda", 64) == torch.bfloat16 and rollout_dtype("float32", "cuda", 64) == torch.float32
+    for has_bf16, wide in ((True, torch.bfloat16), (False, torch.float32)):
         monkeypatch.setattr(device, "cpu_computes_bf16", lambda has_bf16=has_bf16: has_bf16)
-        assert rollout_dtype("auto", "cpu") == expected and rollout_dtype("bf16", "cpu") == torch.bfloat16
+        assert rollout_dtype("auto", "cpu", 896) == wide and rollout_dtype("auto", "cpu", 64) == torch.float32
+        assert rollout_dtype("bf16", "cpu", 64) == torch.bfloat16
     with pytest.raises(DeviceError, match="rollout.dtype='half': choose one of auto, float32"):
-        rollout_dtype("half", "cpu")
+        rollout_dtype("half", "cpu", 896)
 
 
 def test_generation_computes_in_the_rollout_dtype_and_the_passes_in_their_own(tmp_path, config):
