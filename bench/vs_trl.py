@@ -94,6 +94,9 @@ SETTINGS = {
     ],
 }
 
+# --bf16: ppoflow's passes in bf16 (verl's fsdp_config.dtype; auto is float32 on the CPU)
+BF16_KEYS = ("actor_rollout_ref.actor.fsdp_config.dtype", "critic.fsdp.dtype")
+
 
 def run_ppoflow(args: argparse.Namespace, folder: str, model: str, train: str, val: str, *algorithm: str) -> dict:
     """``ppoflow train`` (the flow on a Ray worker, as the command runs it) with one PPO epoch and one mini-batch, the
@@ -120,6 +123,7 @@ def run_ppoflow(args: argparse.Namespace, folder: str, model: str, train: str, v
             "actor_rollout_ref.actor.use_kl_loss=false",
             f"trainer.total_training_steps={args.steps}",
             *[f"{key}={args.seed}" for key in ("data.seed", "actor_rollout_ref.rollout.seed") if args.seed is not None],
+            *[f"{key}=bfloat16" for key in BF16_KEYS if args.bf16],
             "trainer.test_freq=-1",
             "trainer.val_before_train=false",
             "trainer.save_freq=-1",
@@ -232,7 +236,7 @@ def run_trl_grpo(args: argparse.Namespace, folder: str, model: str, train: str, 
         loss_type="dapo",
         scale_rewards="group",
         use_cpu=True,
-        bf16=False,
+        bf16=args.bf16,
         report_to=[],
         logging_steps=1,
         save_strategy="no",
@@ -312,7 +316,7 @@ def run_trl_ppo(args: argparse.Namespace, folder: str, model: str, train: str, v
         kl_coef=0.0,
         num_sample_generations=0,
         use_cpu=True,
-        bf16=False,
+        bf16=args.bf16,
         report_to=[],
         logging_steps=1,
         save_strategy="no",
@@ -412,6 +416,12 @@ def main() -> None:
         help="one seed for every run's shuffling and sampling (default: each trainer's own: ppoflow's data.seed=1 and "
         "rollout.seed=42, TRL's 0)",
     )
+    parser.add_argument(
+        "--bf16",
+        action="store_true",
+        help="both trainers compute in bf16: TRL's bf16=True (its default; float32 otherwise), ppoflow's "
+        "fsdp_config.dtype=bfloat16 (verl's; auto is float32 on the CPU); ppoflow's rollout follows rollout.dtype",
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -424,7 +434,7 @@ def main() -> None:
         return
     argv = [f"--steps={args.steps}", f"--prompts={args.prompts}", f"--n={args.n}", f"--cache={args.cache}"]
     argv.append(f"--settings={args.settings}")
-    argv += [f"--seed={args.seed}"] * (args.seed is not None)
+    argv += [f"--seed={args.seed}"] * (args.seed is not None) + ["--bf16"] * args.bf16
     argv += ["--compute-bound"] * args.compute_bound + [f"--response-length={args.response_length}"] * bool(
         args.response_length
     )
@@ -457,6 +467,7 @@ def main() -> None:
                 "compute_bound": args.compute_bound,
                 "response_length": args.response_length,
                 "settings": args.settings,
+                "bf16": args.bf16,
                 "val_accuracy_before": round(before, 4),
                 **rows,
                 **ratios,
