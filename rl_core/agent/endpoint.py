@@ -324,7 +324,7 @@ class EndpointAgents:
             # a context that goes on from its trajectory's prompt is given the prompt's images
             images = with_images([job[0].trajectory.vision if _extends_prompt(job) else None for job in part])
             samples = self.engine.generate_tokens(
-                [job[2] for job in part], [job[3] for job in part], params, seed, self.prompt_length, **images
+                [job[2] for job in part], [job[3] for job in part], params, seed, **images
             )
             for (session, call, context, _, recorded), sample in zip(part, samples):
                 session.trajectory.batch_sizes.append(len(part))

@@ -206,7 +206,7 @@ class MultiTurnRollout:
                 meta_info = prompts.meta_info
                 self.endpoint_agents.run(trajectories, rows, agents, params, meta_info, 0, width, self._tool_loop)
             else:
-                rounds = self._run_rounds(trajectories, params, prompts.meta_info, rank, width)
+                rounds = self._run_rounds(trajectories, params, prompts.meta_info, rank)
                 by_endpoint = [row for row, trajectory in enumerate(trajectories) if trajectory.by_endpoint]
                 if by_endpoint:
                     self.endpoint_agents.run(
@@ -240,9 +240,7 @@ class MultiTurnRollout:
         out.meta_info[TEMPERATURE] = params.temperature
         return out
 
-    def _run_rounds(
-        self, trajectories: list[Trajectory], params: Any, meta_info: dict[str, Any], rank: int, width: int
-    ) -> int:
+    def _run_rounds(self, trajectories: list[Trajectory], params: Any, meta_info: dict[str, Any], rank: int) -> int:
         """The built-in loop's trajectories in rounds (the module doc); returns how many rounds ran."""
         round_index = 0
         while active := [t for t in trajectories if t.finish is None and not t.by_endpoint]:
@@ -251,7 +249,7 @@ class MultiTurnRollout:
                 seed = sampling_seed(self.config, meta_info, rank, round_index * ROUND_STRIDE + chunk)
                 budgets = [self.response_length - len(t.ids) for t in part]
                 contexts, images = [t.prompt + t.ids for t in part], with_images([t.vision for t in part])
-                samples = self.engine.generate_tokens(contexts, budgets, params, seed, width, **images)
+                samples = self.engine.generate_tokens(contexts, budgets, params, seed, **images)
                 for trajectory, sample in zip(part, samples):
                     trajectory.batch_sizes.append(len(part))
                     self._take_turn(trajectory, sample)

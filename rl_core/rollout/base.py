@@ -64,13 +64,12 @@ class TokenEngine(RolloutEngine, Protocol):
 
     ``rollout(meta_info)`` is a context manager around one rollout's calls (the engine ready to sample, its memory
     released after); ``generate_tokens`` gives one continuation per context, at most ``max_new_tokens[i]`` tokens,
-    sampled with ``params`` from the random stream ``seed`` (a :func:`sampling_seed`), the contexts left-padded to at
-    least ``width``."""
+    sampled with ``params`` from the random stream ``seed`` (a :func:`sampling_seed`)."""
 
     def rollout(self, meta_info: dict[str, Any]) -> contextlib.AbstractContextManager: ...
 
     def generate_tokens(
-        self, contexts: list[list[int]], max_new_tokens: list[int], params: SamplingParams, seed: int, width: int = 0
+        self, contexts: list[list[int]], max_new_tokens: list[int], params: SamplingParams, seed: int
     ) -> list[TokenSample]: ...
 
 

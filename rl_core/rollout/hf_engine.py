@@ -44,7 +44,7 @@ from transformers import (
 )
 
 from rl_core.batch import Batch
-from rl_core.batch_fields import INPUT_IDS, MULTI_MODAL_INPUTS, TEMPERATURE
+from rl_core.batch_fields import MULTI_MODAL_INPUTS, TEMPERATURE
 from rl_core.models.multimodal import placeholder_token_ids, vision_model_inputs, without_placeholders
 from rl_core.rollout.base import (
     SamplingParams,
@@ -159,14 +159,13 @@ class HFRolloutEngine:
         rank = data_parallel_rank()
         contexts = prompt_contexts(prompts)
         vision = prompts.non_tensors.get(MULTI_MODAL_INPUTS)
-        width = prompts.tensors[INPUT_IDS].shape[1]
         samples: list[TokenSample] = []
         with self.rollout(prompts.meta_info):
             for chunk, start in enumerate(range(0, len(contexts), self.chunk_size)):
                 part = contexts[start : start + self.chunk_size]
                 seed = sampling_seed(self.config, prompts.meta_info, rank, chunk)
                 images = None if vision is None else list(vision[start : start + self.chunk_size])
-                samples += self.generate_tokens(part, [self.response_length] * len(part), params, seed, width, images)
+                samples += self.generate_tokens(part, [self.response_length] * len(part), params, seed, images)
         out = assemble_samples(prompts, samples, self.response_length, self.pad_token_id)
         out.meta_info[TEMPERATURE] = params.temperature
         return out
@@ -177,15 +176,14 @@ class HFRolloutEngine:
         max_new_tokens: list[int],
         params: SamplingParams,
         seed: int,
-        width: int = 0,
         vision: list[dict | None] | None = None,
     ) -> list[TokenSample]:
         """One continuation per context (see :class:`rl_core.rollout.base.TokenEngine`), at most ``max_new_tokens[i]``
         tokens; with partial rollout taking newer weights on the way (:meth:`_draw_taking_newer_weights`). ``vision``:
         each context's image inputs (its prompt's ``multi_modal_inputs``) for a vision-language model."""
         if self.newer_weights is None:
-            return self._draw(contexts, max_new_tokens, params, seed, width, vision=vision)
-        return self._draw_taking_newer_weights(contexts, max_new_tokens, params, seed, width, vision)
+            return self._draw(contexts, max_new_tokens, params, seed, vision=vision)
+        return self._draw_taking_newer_weights(contexts, max_new_tokens, params, seed, vision)
 
     def _draw_taking_newer_weights(
         self,
@@ -193,7 +191,6 @@ class HFRolloutEngine:
         max_new_tokens: list[int],
         params: SamplingParams,
         seed: int,
-        width: int,
         vision: list[dict | None] | None = None,
     ) -> list[TokenSample]:
         """Partial rollout: drawn until newer weights are offered, which are then taken, the unfinished rows going on
@@ -208,7 +205,6 @@ class HFRolloutEngine:
                 [max_new_tokens[row] - len(samples[row].token_ids) for row in rows],
                 params,
                 continuation_seed(seed, segment),
-                width,
                 stopping=stop,
                 vision=None if vision is None else [vision[row] for row in rows],
             )
@@ -235,14 +231,14 @@ class HFRolloutEngine:
         max_new_tokens: list[int],
         params: SamplingParams,
         seed: int,
-        width: int = 0,
         stopping: StoppingCriteria | None = None,
         vision: list[dict | None] | None = None,
     ) -> list[TokenSample]:
-        """One continuation per context: the contexts are left-padded to one tensor (at least ``width`` wide),
+        """One continuation per context: the contexts are left-padded to one tensor as wide as the longest (not to
+        data.max_prompt_length: the KV cache and attention would cover the padding too, ~25 % of generation's time),
         sampled together for the largest budget (or until ``stopping`` ends the call), and each row is cut at its
         first stop token and its own budget. ``vision``: each context's image inputs."""
-        width = max(width, max(len(context) for context in contexts))
+        width = max(len(context) for context in contexts)
         device = next(self.model.parameters()).device
         input_ids = torch.full((len(contexts), width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(contexts), width), dtype=torch.long)

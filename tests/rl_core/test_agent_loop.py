@@ -48,7 +48,7 @@ class ScriptedEngine:
     def rollout(self, meta_info):
         yield
 
-    def generate_tokens(self, contexts, max_new_tokens, params, seed, width=0):
+    def generate_tokens(self, contexts, max_new_tokens, params, seed):
         self.calls.append((contexts, max_new_tokens, seed))
         samples = []
         for context, budget in zip(contexts, max_new_tokens):

@@ -75,11 +75,11 @@ def test_weights_offered_mid_generation_continue_the_unfinished_rows_under_them(
     old, new = copy.deepcopy(model.state_dict()), newer_weights_of(model, seed=token)
     params = sampling_params(engine.config, prompts.meta_info)
     seed = sampling_seed(engine.config, prompts.meta_info, 0, 0)
-    contexts, width = prompt_contexts(prompts), prompts.tensors["input_ids"].shape[1]
+    contexts = prompt_contexts(prompts)
 
     # by hand: the old weights' first `token` tokens (the same random stream), the new weights' continuation
     with engine.rollout(prompts.meta_info):
-        full = engine.generate_tokens(contexts, [budget] * len(contexts), params, seed, width)
+        full = engine.generate_tokens(contexts, [budget] * len(contexts), params, seed)
     heads = [sample.token_ids[:token] for sample in full]
     open_rows = [row for row, head in enumerate(heads) if engine.stop_token_ids[0] not in head and len(head) < budget]
     model.load_state_dict(new)
@@ -89,7 +89,6 @@ def test_weights_offered_mid_generation_continue_the_unfinished_rows_under_them(
             [budget - len(heads[row]) for row in open_rows],
             params,
             continuation_seed(seed, 1),
-            width,
         )
     model.load_state_dict(old)
 

@@ -39,6 +39,23 @@ def test_a_response_keeps_the_first_stop_token_and_nothing_after():
     assert cut_at_stop(rows[0], [7], budget=2) == TokenSample([5, 6], None, "length")  # the budget comes first
 
 
+def test_generation_pads_the_prompts_only_to_the_longest(policy, prompts, config):
+    """The batch comes left-padded to data.max_prompt_length (verl's layout, and the output keeps it), but generation
+    pads to the longest prompt: the KV cache and attention would otherwise cover the padding too."""
+    model, tokenizer = policy
+    widths = []
+    hook = model.get_input_embeddings().register_forward_pre_hook(lambda _, args: widths.append(args[0].shape[1]))
+    engine = build_rollout_engine(
+        "hf", model=model, tokenizer=tokenizer, rollout_config=config.actor_rollout_ref.rollout
+    )
+    out = engine.generate_sequences(prompts)
+    hook.remove()
+    longest = int(prompts.tensors["attention_mask"].sum(-1).max())
+    assert longest < prompts.tensors["input_ids"].shape[1] == config.data.max_prompt_length
+    assert widths[0] == longest and set(widths[1:]) == {1}  # the prefill, then one token per decoding step
+    assert out.tensors["input_ids"].shape[1] == config.data.max_prompt_length + config.data.max_response_length
+
+
 def test_generate_one_response_per_row_with_verl_layout(policy, prompts, config):
     model, tokenizer = policy
     engine = build_rollout_engine(

@@ -175,11 +175,10 @@ class VLLMRolloutEngine:
         return out
 
     def generate_tokens(
-        self, contexts: list[list[int]], max_new_tokens: list[int], params: SamplingParams, seed: int, width: int = 0
+        self, contexts: list[list[int]], max_new_tokens: list[int], params: SamplingParams, seed: int
     ) -> list[TokenSample]:
         """One request per context (see :class:`rl_core.rollout.base.TokenEngine`), its seed ``row_seed(seed, i)``;
-        the ids and their log-probs as vLLM sampled them, cut at the first stop token and the row's budget. ``width``
-        (padding) means nothing to vLLM."""
+        the ids and their log-probs as vLLM sampled them, cut at the first stop token and the row's budget."""
         requests = [{"prompt_token_ids": list(context)} for context in contexts]
         log_probs = bool(self.config.calculate_log_probs)
         request_params = [
