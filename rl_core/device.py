@@ -5,7 +5,7 @@
 * Weights are stored in ``model.dtype`` (verl's ``model_dtype``: float32 master weights by default) and the forward
   and backward passes run in ``fsdp_config.dtype`` (``auto``: bfloat16 on CUDA, float32 on CPU) under
   :func:`autocast` — the usual mixed precision: bf16 matmuls, fp32 weights, gradients and optimizer state.
-  Generation runs in ``rollout.dtype`` (:func:`rollout_dtype`; ``auto``: bf16 wherever the hardware computes it).
+  Generation runs in ``rollout.dtype`` (:func:`rollout_dtype`; ``auto``: bf16 where it is the faster).
 * :func:`on_worker_device` moves a stage's Batch to the worker's device on the way in and the result back to the
   CPU on the way out (what crosses Ray, checkpoints and the controller is always on the CPU).
 """
