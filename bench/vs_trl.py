@@ -10,7 +10,8 @@ Rows (each run in a process of its own, one after the other), all with one PPO e
     one response per prompt. TRL's PPO takes a reward *model*: the bench gives it one that applies the demo's rule to
     the decoded response; it logs no token counts (no tokens/s).
 
-For each: the median step time (the first ``--warmup`` steps left out), tokens per second (prompt + response tokens
+For each: the median and the mean step time (the first ``--warmup`` steps left out; the mean counts the steps that
+carry bursts of background work, which the median leaves out), tokens per second (prompt + response tokens
 of a step / its time), the peak resident memory of all the run's processes together (ppoflow: the controller, its
 Prefect server and the Ray cluster and workers; sampled every 0.2 s) and the greedy validation accuracy of the final
 policy, computed for both by one function (:func:`greedy_accuracy`: ppoflow's own validation on an in-process
@@ -384,6 +385,7 @@ def summary(result: dict, warmup: int) -> dict:
     steps, tokens = result["step_s"][warmup:], result["tokens"][warmup:]
     return {
         "step_median_s": round(statistics.median(steps), 4),
+        "step_mean_s": round(statistics.mean(steps), 4),
         "tokens_per_s": round(sum(tokens) / sum(steps), 1) if tokens else None,
         "peak_rss_gb": round(result["peak_rss_gb"], 2),
         "val_accuracy": round(result["val_accuracy"], 4),
@@ -446,16 +448,19 @@ def main() -> None:
         "settings; greedy validation accuracy "
         f"before training {before:.3f}"
     )
-    print(f"{'run':<14}{'step median (s)':>16}{'tokens/s':>10}{'peak RSS (GB)':>15}{'val accuracy':>14}")
+    print(
+        f"{'run':<14}{'step median (s)':>16}{'mean (s)':>10}{'tokens/s':>10}{'peak RSS (GB)':>15}{'val accuracy':>14}"
+    )
     for name, row in rows.items():
         tokens = f"{row['tokens_per_s']:.0f}" if row["tokens_per_s"] else "-"
-        step, accuracy = row["step_median_s"], row["val_accuracy"]
-        print(f"{name:<14}{step:>16.3f}{tokens:>10}{row['peak_rss_gb']:>15.2f}{accuracy:>14.3f}")
+        step, mean, accuracy = row["step_median_s"], row["step_mean_s"], row["val_accuracy"]
+        print(f"{name:<14}{step:>16.3f}{mean:>10.3f}{tokens:>10}{row['peak_rss_gb']:>15.2f}{accuracy:>14.3f}")
     ratios = {
-        f"{algo}_step_ratio_ppoflow_over_trl": round(
-            rows[f"ppoflow-{algo}"]["step_median_s"] / rows[f"trl-{algo}"]["step_median_s"], 3
+        f"{algo}_step{kind}_ratio_ppoflow_over_trl": round(
+            rows[f"ppoflow-{algo}"][f"step{stat}_s"] / rows[f"trl-{algo}"][f"step{stat}_s"], 3
         )
         for algo in ("grpo", "ppo")
+        for kind, stat in (("", "_median"), ("_mean", "_mean"))
         if f"ppoflow-{algo}" in rows and f"trl-{algo}" in rows
     }
     print(

@@ -3,9 +3,10 @@
 * one run per training run: experiment = ``trainer.project_name``, run name = ``trainer.experiment_name``;
 * params = the flattened config (once; secrets redacted, see flows/secrets.py), the composed YAML (redacted too)
   as an artifact;
-* each step's metrics in ONE ``log_batch`` call (names as :func:`metric_key` makes them), made in a background thread
-  (flushed before a checkpoint, a tag and the end), with ``training/global_step`` as the step's marker: a resumed
-  run asks MLflow which steps are already there and does not log them again (no duplicated, no missing step);
+* each step's metrics (names as :func:`metric_key` makes them) sent by ``log_batch`` in a background thread, the steps
+  of the last ``METRICS_INTERVAL_S`` together (flushed before a checkpoint, a tag and the end), with
+  ``training/global_step`` as the step's marker: a resumed run asks MLflow which steps are already there and does
+  not log them again (no duplicated, no missing step);
 * rollout samples as an MLflow table, checkpoint paths as tags, the final actor as an HF-format artifact,
   optionally registered as a model version.
 """
@@ -41,6 +42,10 @@ EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 PREFECT_FLOW_RUN_TAG = "ppoflow.prefect_flow_run_id"  # the run's Prefect flow run
 PREFECT_UI_TAG = "ppoflow.prefect_ui_url"  # the Prefect UI that shows it, when its server outlives the run
 CODE_ROOT = Path(__file__).resolve().parent.parent  # ppoflow's code: its git commit is recorded on each run
+# Steps logged within this many seconds of the last send go to MLflow together: a SQLite store spends ~15 ms of CPU on a
+# log_batch of one step's ~90 metrics and ~6.5 ms a step on 5-10 steps' (bench/README.md, "MLflow's share")
+METRICS_INTERVAL_S = 1.0
+MAX_METRICS_PER_CALL = 1000  # MLflow's limit for one log_batch
 
 
 def metric_key(name: str) -> str:
@@ -148,6 +153,8 @@ class RunTracker:
         # one: calls stay in order
         self.background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ppoflow-mlflow")
         self.pending: list[Future] = []
+        self.unsent: list[Metric] = []  # steps' metrics not yet handed to the background thread
+        self.last_sent = time.monotonic()
         if run_id is None:
             run = self.client.create_run(
                 experiment_id(self.client, config),
@@ -185,19 +192,28 @@ class RunTracker:
         self.set_tags({f"ppoflow.config_changed_at_{step}": ", ".join(key for key, _, _ in changes)[:5000]})
 
     def log_step(self, step: int, metrics: dict[str, float]) -> bool:
-        """Log a step's metrics in one call, in the background (off the step's path; :meth:`flush` waits for it);
-        False (and nothing logged) when MLflow has the step already."""
+        """Log a step's metrics in the background (off the step's path), with the steps logged since the last send once
+        ``METRICS_INTERVAL_S`` has passed (:meth:`flush` sends them and waits); False (and nothing logged) when MLflow
+        has the step already."""
         if step <= self.last_logged_step:
             return False
         now = int(time.time() * 1000)
-        entries = [
+        self.unsent += [
             Metric(metric_key(key), float(value), now, step) for key, value in metrics.items() if value is not None
         ]
-        entries.append(Metric(STEP_MARKER, float(step), now, step))
+        self.unsent.append(Metric(STEP_MARKER, float(step), now, step))
         self._raise_background_error()
-        self.pending.append(self.background.submit(self.client.log_batch, self.run_id, metrics=entries))
+        if time.monotonic() - self.last_sent >= METRICS_INTERVAL_S:
+            self._send()
         self.last_logged_step = step
         return True
+
+    def _send(self) -> None:
+        """Hand the unsent metrics to the background thread, in calls of at most MLflow's limit."""
+        for start in range(0, len(self.unsent), MAX_METRICS_PER_CALL):
+            chunk = self.unsent[start : start + MAX_METRICS_PER_CALL]
+            self.pending.append(self.background.submit(self.client.log_batch, self.run_id, metrics=chunk))
+        self.unsent, self.last_sent = [], time.monotonic()
 
     def _raise_background_error(self) -> None:
         """An earlier background call that failed raises here (a store that went away fails the run, no step is lost
@@ -208,7 +224,8 @@ class RunTracker:
             future.result()
 
     def flush(self) -> None:
-        """Wait for the metrics logged in the background (before a checkpoint: a step it holds is in MLflow)."""
+        """Send the metrics not yet sent and wait for them (before a checkpoint: a step it holds is in MLflow)."""
+        self._send()
         for future in self.pending:
             future.result()
         self.pending = []
