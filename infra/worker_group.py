@@ -22,7 +22,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from infra.dispatch import collect_results, split_arguments
 from infra.fused_worker import RoleSpec, fused_worker_class
-from infra.resource_pool import ResourcePool, remove_placement_groups
+from infra.resource_pool import InsufficientResourcesError, ResourcePool, remove_placement_groups
 from rl_core.workers.dispatch import dispatch_mode
 
 
@@ -49,6 +49,18 @@ def worker_exception(error: RayTaskError, stage: str, worker: str) -> BaseExcept
         return error.as_instanceof_cause()
     cause.add_note(f"raised in stage {stage!r} by worker {worker}")
     return cause
+
+
+def raise_if_room_lost(pool: ResourcePool, error: WorkerTimeoutError, timeout_s: float) -> None:
+    """A group whose set-up timed out because a node it was placed on left before its workers started (Ray then
+    re-places the node's bundles and the workers wait for room that may never come): the shortfall, named as when there
+    is no room at the start, instead of the timeout's advice to wait longer. Nothing when the pool still fits."""
+    try:
+        pool.check_fits()
+    except InsufficientResourcesError as lacking:
+        waited = f"they waited {timeout_s:.0f} s for room: trainer.worker_timeout_s"
+        lacking.add_note(f"a node left after the workers were placed; {waited}")
+        raise lacking from error
 
 
 def placement_group_prefix(namespace: str, prefix: str) -> str:
@@ -125,8 +137,10 @@ class WorkerGroup:
                 )
             else:
                 group.health(timeout_s)
-        except BaseException:  # a half-made group holds resources: free them before reporting
+        except BaseException as error:  # a half-made group holds resources: free them before reporting
             cls(actors, names, role_specs, namespace, prefix).kill()
+            if isinstance(error, WorkerTimeoutError):
+                raise_if_room_lost(pool, error, timeout_s)
             raise
         return group
 

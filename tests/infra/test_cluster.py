@@ -181,11 +181,12 @@ def test_killing_a_worker_mid_call_is_a_quick_clear_error(ray_address, worker_en
         WorkerGroup.reattach("doomed", "ppoflow-tests", {"echo": (EchoWorker, (), {})})
 
 
-def test_a_simulated_two_node_cluster_places_pools_per_node():
+def test_a_simulated_two_node_cluster_places_pools_per_node_and_names_a_node_lost_at_set_up():
     # a separate driver: ray.cluster_utils.Cluster starts its own head, which this session's driver cannot join
     result = run_python(
         """
         import os
+        import time
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
         import ray
         from ray.cluster_utils import Cluster
@@ -208,6 +209,17 @@ def test_a_simulated_two_node_cluster_places_pools_per_node():
         print("NODES", nodes[0] == nodes[1], nodes[2] == nodes[3], nodes[0] != nodes[2], sorted(set(nodes)) ==
         sorted({node_a.node_id, node_b.node_id}))
         group.kill()
+        # placed, then a node leaves before the workers start: Ray re-places its bundles, for which there is no room
+        pool = ResourcePool("global_pool", [2, 2], accelerator="fake_gpu")
+        pool.create("lost", timeout_s=60)
+        cluster.remove_node(node_b)
+        while any(node["NodeID"] == node_b.node_id and node["Alive"] for node in ray.nodes()):
+            time.sleep(0.2)
+        try:
+            WorkerGroup.create(pool, {"echo": (EchoWorker, (), {})}, prefix="lost", namespace="t", timeout_s=5,
+                               env_vars={"PYTHONPATH": os.getcwd()})
+        except InsufficientResourcesError as error:
+            print("LOST", error, error.__notes__)
         ray.shutdown()
         cluster.shutdown()
     """,
@@ -216,3 +228,11 @@ def test_a_simulated_two_node_cluster_places_pools_per_node():
     assert result.returncode == 0, result.stderr[-3000:]
     assert "NODES True True True True" in result.stdout
     assert "needs 1 node(s) with 3 fake_gpu; the cluster's nodes have fake_gpu: 2, 2, 0" in result.stdout
+    # not "did not answer within 5s; raise trainer.worker_timeout_s": waiting longer would not help
+    assert (
+        "LOST resource pool 'global_pool' needs 2 node(s) with 2 fake_gpu, 2 fake_gpu; the cluster's nodes have "
+        in (result.stdout)
+    )
+    assert "a node left after the workers were placed; they waited 5 s for room: trainer.worker_timeout_s" in (
+        result.stdout
+    )
