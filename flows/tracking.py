@@ -42,8 +42,8 @@ EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 PREFECT_FLOW_RUN_TAG = "ppoflow.prefect_flow_run_id"  # the run's Prefect flow run
 PREFECT_UI_TAG = "ppoflow.prefect_ui_url"  # the Prefect UI that shows it, when its server outlives the run
 CODE_ROOT = Path(__file__).resolve().parent.parent  # ppoflow's code: its git commit is recorded on each run
-# Steps logged within this many seconds of the last send go to MLflow together: a SQLite store spends ~15 ms of CPU on a
-# log_batch of one step's ~90 metrics and ~6.5 ms a step on 5-10 steps' (bench/README.md, "MLflow's share")
+# Steps logged within this many seconds of the last send go to MLflow together: a SQLite store spends ~15-18 ms of CPU
+# on a log_batch of one step's ~90 metrics, ~7.6 ms a step on 5-10 steps' (bench/mlflow_logging.py; bench/README.md)
 METRICS_INTERVAL_S = 1.0
 MAX_METRICS_PER_CALL = 1000  # MLflow's limit for one log_batch
 
