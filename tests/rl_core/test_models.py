@@ -159,6 +159,29 @@ def test_optimizer_and_scheduler_from_config():
         build_lr_scheduler(optimizer, OptimConfig(lr_scheduler_type="cosine"))
 
 
+def test_the_optimizer_on_the_cpu_is_fused_and_takes_adamws_steps():
+    """Three steps on random gradients equal AdamW written out as a plain loop over the elements (decoupled weight
+    decay, bias-corrected moments), with the fused kernel chosen for CPU parameters."""
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(3, 4))
+    config = OptimConfig(lr=0.05, weight_decay=0.1, betas=[0.8, 0.95])
+    optimizer = build_optimizer([weight], config)
+    assert optimizer.defaults["fused"] is True
+    expected = weight.detach().clone().flatten().tolist()
+    m, v = [0.0] * len(expected), [0.0] * len(expected)
+    (b1, b2), lr, eps = config.betas, config.lr, 1e-8
+    for t in range(1, 4):
+        grad = torch.randn(3, 4)
+        weight.grad = grad.clone()
+        optimizer.step()
+        for i, g in enumerate(grad.flatten().tolist()):
+            m[i] = b1 * m[i] + (1 - b1) * g
+            v[i] = b2 * v[i] + (1 - b2) * g * g
+            expected[i] *= 1 - lr * config.weight_decay
+            expected[i] -= lr * (m[i] / (1 - b1**t)) / (math.sqrt(v[i] / (1 - b2**t)) + eps)
+    assert weight.detach().flatten().tolist() == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
 def test_a_restore_takes_the_configs_optimizer_settings_and_keeps_the_moments():
     """Resume under a new learning rate (the advice of a NaN loss): the restored optimizer and schedule use it."""
 
