@@ -24,7 +24,13 @@ from pathlib import Path
 
 import ray
 
-from infra.ray_settings import INLINE_OBJECTS_ENV, LOCAL_CLUSTER_ENV, LOOPBACK_ENV, secure_auth_token
+from infra.ray_settings import (
+    INLINE_OBJECTS_ENV,
+    LOCAL_CLUSTER_ENV,
+    LOOPBACK_ENV,
+    ensure_auth_token,
+    secure_auth_token,
+)
 
 
 def _stay_on_loopback() -> None:
@@ -165,10 +171,7 @@ def start_local_head(port: int, num_cpus: int | None = None, resources: str | No
     if resources:
         command.append(f"--resources={resources}")
     env = {**os.environ, **LOOPBACK_ENV, **LOCAL_CLUSTER_ENV, **INLINE_OBJECTS_ENV}
-    # token auth needs a token before the head starts; this creates ~/.ray/auth_token when there is none
-    # (its output, the token, is not printed)
-    subprocess.run([ray_cli, "get-auth-token", "--generate"], check=True, capture_output=True, env=env)
-    secure_auth_token()
+    ensure_auth_token(ray_cli, env)
     started = subprocess.run(command, capture_output=True, text=True, env=env)
     if started.returncode != 0:
         raise RuntimeError(

@@ -5,6 +5,7 @@ without importing Ray (which takes a second)."""
 from __future__ import annotations
 
 import os
+import subprocess
 
 # the embedded cluster: on 127.0.0.1, with Ray's token authentication on (its token in ~/.ray/auth_token)
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token"}
@@ -22,3 +23,11 @@ def secure_auth_token() -> None:
     path = os.path.expanduser(os.environ.get("RAY_AUTH_TOKEN_PATH", "~/.ray/auth_token"))
     if os.path.isfile(path) and os.stat(path).st_mode & 0o077:
         os.chmod(path, 0o600)
+
+
+def ensure_auth_token(ray_cli: str, env: dict[str, str]) -> None:
+    """Ray's token authentication needs a token before a head starts: ``ray get-auth-token --generate`` writes
+    ~/.ray/auth_token when there is none (an existing one is kept), then it is made the owner's only. Its output, the
+    token, is not printed. On a machine that never ran Ray, without this, the head exits at once."""
+    subprocess.run([ray_cli, "get-auth-token", "--generate"], check=True, capture_output=True, env=env)
+    secure_auth_token()

@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 
 from infra import team_backend
-from infra.ray_settings import INLINE_OBJECTS_ENV, LOCAL_CLUSTER_ENV, LOOPBACK_ENV, secure_auth_token
+from infra.ray_settings import INLINE_OBJECTS_ENV, LOCAL_CLUSTER_ENV, LOOPBACK_ENV, ensure_auth_token
 from infra.watchdog import all_stats, stat
 
 HOST = "127.0.0.1"
@@ -246,6 +246,8 @@ SERVICE_PROCESSES: dict[int, subprocess.Popen] = {}  # the services this process
 def start_service(name: str, port: int, data: Path, stores: dict[str, int] | None = None) -> Service:
     check_port(name, port)
     command, env, url = service_command(name, port, data, stores)
+    if name == "ray":
+        ensure_auth_token(command[0], {**os.environ, **env})
     logs = data / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     log = logs / f"{name}.log"
@@ -361,7 +363,6 @@ def up(
             started.append(stack.services[name])
             stack.save()
         wait_until_answering(started)
-        secure_auth_token()
     except BaseException:
         for service in reversed(started):
             stop_service(service)

@@ -15,6 +15,9 @@ from tests.infra.conftest import SMALL_DEMO, ppoflow, process_group_alive
 
 
 def test_up_status_train_down(stack_env, tmp_path, demo_cache):
+    # as on a machine that never ran Ray: a home of its own, without ~/.ray/auth_token (`up` makes the token its Ray
+    # head needs; the head exited at once without it)
+    stack_env = {**stack_env, "HOME": str(tmp_path / "user")}
     ports = {"prefect": free_port(), "mlflow": free_port(), "ray": free_port()}
     started = ppoflow(
         stack_env,
@@ -34,6 +37,8 @@ def test_up_status_train_down(stack_env, tmp_path, demo_cache):
     assert httpx.get(f"http://127.0.0.1:{ports['prefect']}/api/health").status_code == 200
     assert httpx.get(f"http://127.0.0.1:{ports['mlflow']}/health").status_code == 200
     assert port_open(ports["ray"])
+    token = tmp_path / "user" / ".ray" / "auth_token"
+    assert token.stat().st_mode & 0o777 == 0o600  # the owner's only
     status = ppoflow(stack_env, "status", timeout=60)
     assert status.returncode == 0 and status.stdout.count("running, answers") == 3
     again = ppoflow(stack_env, "up")  # idempotent: nothing new
