@@ -156,19 +156,25 @@ def make_state(name: str, when: datetime, message: str | None) -> states.State:
     return state
 
 
-REPORTER = TaskRunReporter()  # started on first use
+_reporter: TaskRunReporter | None = None
 _STARTING = threading.Lock()
 
 
-def start_reporter() -> None:
+def running_reporter() -> TaskRunReporter:
+    """The reporter, made and started on its first use: not at import, since a thread object that exists when a
+    process forks is marked stopped in the child (``ppoflow up``'s launcher forks each command from a process that
+    imported this module)."""
+    global _reporter
     with _STARTING:  # two flows' threads (a sweep's children) may report their first task runs at once
-        if not REPORTER.is_alive():
-            REPORTER.start()
+        if _reporter is None or not _reporter.is_alive():
+            _reporter = TaskRunReporter()
+            _reporter.start()
+        return _reporter
 
 
 def flush_reported_runs(timeout_s: float = 10.0) -> bool:
     """Every task run reported so far has reached Prefect's events client (at most ``timeout_s``); whether all did."""
-    return not REPORTER.is_alive() or REPORTER.flush(timeout_s)
+    return _reporter is None or not _reporter.is_alive() or _reporter.flush(timeout_s)
 
 
 def failure_message(error: BaseException) -> str:
@@ -204,15 +210,15 @@ def call_reported(
     is in progress; a transient error is retried up to ``retries`` times, RETRY_DELAY_S apart. Returns (the result,
     its reported run, None outside a flow run)."""
     TASK_RUNS["started"] += 1
-    run = None
+    run = reporter = None
     flow_run_context = FlowRunContext.get()
     if flow_run_context is not None and flow_run_context.flow_run is not None:
         run = ReportedRun(task_name, run_name, retries, inputs or {}, contextvars.copy_context())
-        start_reporter()
+        reporter = running_reporter()
     attempt = 0
     while True:
         if run is not None:
-            REPORTER.report(run, "Running" if attempt == 0 else "Retrying")
+            reporter.report(run, "Running" if attempt == 0 else "Retrying")
         try:
             result = fn(*args)
         except BaseException as error:
@@ -221,14 +227,14 @@ def call_reported(
                 retry = f"Retry {attempt}/{retries} will start {RETRY_DELAY_S:g} second(s) from now"
                 LOG.warning("%s failed (%s): %s", run_name, failure_message(error), retry)
                 if run is not None:
-                    REPORTER.report(run, "AwaitingRetry", retry)
+                    reporter.report(run, "AwaitingRetry", retry)
                 time.sleep(RETRY_DELAY_S)
                 continue
             if run is not None:
-                REPORTER.report(run, "Failed" if isinstance(error, Exception) else "Crashed", failure_message(error))
+                reporter.report(run, "Failed" if isinstance(error, Exception) else "Crashed", failure_message(error))
             raise
         if run is not None:
-            REPORTER.report(run, "Completed", functools.partial(produced, result))
+            reporter.report(run, "Completed", functools.partial(produced, result))
         return result, run
 
 
@@ -244,18 +250,18 @@ class BackgroundRun:
         flow_run_context = FlowRunContext.get()
         if flow_run_context is not None and flow_run_context.flow_run is not None:
             self.run = ReportedRun(self.TASK, run_name, 0, {}, contextvars.copy_context())
-            start_reporter()
-            REPORTER.report(self.run, "Running")
+            self.reporter = running_reporter()
+            self.reporter.report(self.run, "Running")
 
     def done(self, error: BaseException | None = None, dropped: bool = False) -> None:
         if self.run is None:
             return
         if dropped:
-            REPORTER.report(self.run, "Cancelled", "dropped before it was trained on")
+            self.reporter.report(self.run, "Cancelled", "dropped before it was trained on")
         elif error is not None:
-            REPORTER.report(self.run, "Failed", failure_message(error))
+            self.reporter.report(self.run, "Failed", failure_message(error))
         else:
-            REPORTER.report(self.run, "Completed")
+            self.reporter.report(self.run, "Completed")
 
 
 class StageRunner:
