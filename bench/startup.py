@@ -2,12 +2,14 @@
 (interpreter start and imports included) to the ``step 1/2`` line, on the embedded default (a local Ray cluster and
 Prefect's temporary server started by the command) or on a running ``ppoflow up`` stack.
 
-    python bench/startup.py [--runs 5] [--stack] [--baseline PATH]
+    python bench/startup.py [--runs 5] [--stack [--own-process]] [--baseline PATH]
 
 A first run per code builds the demo's assets and the MLflow store (not timed), as a user's second run finds them.
 ``--baseline PATH``: another checkout of the project (e.g. ``git worktree add /tmp/base HEAD~1``), run alternately with
 this one (its modules first on PYTHONPATH; with ``--stack`` each code gets a stack of its own, started with it, since
-the stack's Ray workers import the stack's code). Run it alone: the start-up is CPU-bound on a small machine. Prints a
+the stack's Ray workers import the stack's code). ``--own-process`` (with ``--stack``): each run of this code is
+alternated with one in the command's own process (``PPOFLOW_LAUNCHER=0``, not handed to the stack's launcher,
+flows/launcher.py) on the same stack. Run it alone: the start-up is CPU-bound on a small machine. Prints a
 table (each run, the median) and, last, one JSON line ``{"codes": {name: {"seconds", "median_s"}}}``.
 """
 
@@ -25,18 +27,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FIRST_STEP = "step 1/"
+OWN_PROCESS = "this-own"  # --own-process: this code, the command not handed to the stack's launcher
 
 
 def ppoflow(*args: str) -> list[str]:
     return [sys.executable, "-m", "flows.cli", *args]
 
 
-def environment(code: Path, scratch: Path) -> dict[str, str]:
+def environment(code: Path, scratch: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
     """The command's environment: ``code``'s modules first, the scratch folder as its home (demo assets, stack)."""
-    return {**os.environ, "PYTHONPATH": str(code), "PPOFLOW_HOME": str(scratch / "home")}
+    return {**os.environ, "PYTHONPATH": str(code), "PPOFLOW_HOME": str(scratch / "home"), **(extra or {})}
 
 
-def time_to_first_step(code: Path, scratch: Path, name: str) -> float:
+def time_to_first_step(code: Path, scratch: Path, name: str, extra: dict[str, str] | None = None) -> float:
     """Seconds from starting ``ppoflow train`` (a fresh run of 2 steps) to its first step line; the run then ends."""
     overrides = ["trainer.total_training_steps=2", f"trainer.experiment_name={name}"]
     overrides.append(f"trainer.default_local_dir={scratch / 'checkpoints' / name}")
@@ -44,7 +47,7 @@ def time_to_first_step(code: Path, scratch: Path, name: str) -> float:
     command = subprocess.Popen(
         ppoflow("train", *overrides),
         cwd=scratch,
-        env=environment(code, scratch),
+        env=environment(code, scratch, extra),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -73,9 +76,13 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--stack", action="store_true", help="on a running `ppoflow up` stack")
     parser.add_argument("--baseline", type=Path, help="another checkout, run alternately with this one")
+    parser.add_argument("--own-process", action="store_true", help="--stack: also without the stack's launcher")
     args = parser.parse_args()
     codes = {"this": ROOT, **({"baseline": args.baseline.resolve()} if args.baseline else {})}
     seconds: dict[str, list[float]] = {name: [] for name in codes}
+    own_process = args.stack and args.own_process
+    if own_process:  # this code's runs alternate with ones in the command's own process, on the same stack
+        seconds[OWN_PROCESS] = []
     with tempfile.TemporaryDirectory(prefix="ppoflow-startup-") as folder:
         scratch = Path(folder)
         if args.stack:  # one code's runs after the other's, each on its own stack
@@ -85,6 +92,9 @@ def main() -> None:
                     time_to_first_step(code, scratch, f"{name}-warm-up")
                     for run in range(args.runs):
                         seconds[name].append(time_to_first_step(code, scratch, f"{name}-{run}"))
+                        if own_process and name == "this":
+                            own = time_to_first_step(code, scratch, f"own-{run}", {"PPOFLOW_LAUNCHER": "0"})
+                            seconds[OWN_PROCESS].append(own)
                 finally:
                     stack(code, scratch, "down")
         else:

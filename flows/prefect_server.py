@@ -102,7 +102,7 @@ def start_temporary_server(timeout_s: float = 120.0) -> Callable[[], None]:
     process = subprocess.Popen(server_command(port), env={**os.environ, **TEMPORARY_SERVER_ENV})
     lower_priority(process.pid)  # it boots on what Ray's processes and the workers leave of the CPUs
     api_url = f"http://127.0.0.1:{port}/api"
-    _point_prefect_at({"PREFECT_API_URL": api_url, "PREFECT_UI_URL": ""})  # "": no links to a server without a UI
+    point_prefect_at({"PREFECT_API_URL": api_url, "PREFECT_UI_URL": ""})  # "": no links to a server without a UI
     STARTED.update(process=process, api_url=api_url, since=datetime.now(timezone.utc))
     atexit.register(_end, process)
 
@@ -142,7 +142,7 @@ def start_temporary_server(timeout_s: float = 120.0) -> Callable[[], None]:
     return wait
 
 
-def _point_prefect_at(settings: dict[str, str | None]) -> None:
+def point_prefect_at(settings: dict[str, str | None]) -> None:
     """Set (or, for None, unset) Prefect's settings in the environment; Prefect reads them when imported, so an
     imported Prefect reads them again."""
     for key, value in settings.items():
@@ -179,7 +179,7 @@ def stop_temporary_server(timeout_s: float = 30.0) -> None:
             _record_then_end(process, timeout_s)
     finally:
         if os.environ.get("PREFECT_API_URL") == STARTED["api_url"]:  # not a server of its own for the next flow
-            _point_prefect_at({"PREFECT_API_URL": None, "PREFECT_UI_URL": None})
+            point_prefect_at({"PREFECT_API_URL": None, "PREFECT_UI_URL": None})
 
 
 def _record_then_end(process: subprocess.Popen, timeout_s: float) -> None:

@@ -1,7 +1,8 @@
 """The persistent local stack behind ``ppoflow up / down / status``: a Prefect server, an MLflow tracking server and a
-Ray head, all on 127.0.0.1, their data in one folder. Their stores: SQLite files and a local artifact folder (the
-``sqlite`` backend, the default), or PostgreSQL and an S3-compatible store that ``up`` starts too (``postgres``:
-infra/team_backend.py).
+Ray head, all on 127.0.0.1, their data in one folder, and a launcher that runs ``ppoflow train`` in processes with its
+modules imported (flows/launcher.py; a Unix socket, started last: it imports for seconds). Their stores: SQLite
+files and a local artifact folder (the ``sqlite`` backend, the default), or PostgreSQL and an S3-compatible store that
+``up`` starts too (``postgres``: infra/team_backend.py).
 
 ``up`` starts each service as its own process group (so that ``down`` stops exactly what ``up`` started, and
 nothing else), records them in ``$PPOFLOW_HOME/stack.json`` (default ``~/.ppoflow``) and waits until each
@@ -55,6 +56,23 @@ def state_file() -> Path:
     return stack_home() / "stack.json"
 
 
+# the fourth service: ``ppoflow train``'s modules imported, waiting for commands on a Unix socket (flows/launcher.py)
+LAUNCHER = "launcher"
+
+
+def launcher_socket() -> Path:
+    return stack_home() / "launcher.sock"
+
+
+def unix_socket_answers(path: str | Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return False
+    return True
+
+
 @dataclass
 class Service:
     name: str
@@ -85,6 +103,8 @@ class Service:
         return bool(self.members())
 
     def answers(self, timeout_s: float = 3.0) -> bool:
+        if self.name == LAUNCHER:
+            return unix_socket_answers(self.url.removeprefix("unix:"))
         if self.name in ("ray", "postgres", "s3"):
             return port_open(self.port, timeout_s)
         path = "/api/health" if self.name == "prefect" else "/health"
@@ -213,6 +233,9 @@ def service_command(
         ]
         env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **team.get("mlflow", {})}
         return command, env, f"http://{HOST}:{port}"
+    if name == LAUNCHER:
+        path = launcher_socket()
+        return [sys.executable, "-m", "flows.launcher", str(path)], {}, f"unix:{path}"
     if name == "ray":
         command = [
             _tool("ray"),
@@ -229,6 +252,8 @@ def service_command(
 
 
 def check_port(name: str, port: int) -> None:
+    if name == LAUNCHER:  # a Unix socket, not a port
+        return
     if port in RAY_RESERVED_PORTS:
         raise RuntimeError(
             f"port {port} for {name} is in the range Ray keeps for its client and workers "
@@ -348,7 +373,7 @@ def up(
     started: list[Service] = []
     stores = None
     try:
-        for name, port in wanted.items():
+        for name, port in {**wanted, LAUNCHER: 0}.items():  # the launcher last: it imports for seconds
             if name == "prefect" and backend == "postgres":  # the stores answer before the servers using them start
                 wait_until_answering(started)
                 stores = {store: stack.services[store].port for store in STORE_PORTS}
@@ -407,8 +432,10 @@ def down() -> list[str]:
 
 
 def active_stack() -> Stack | None:
-    """The recorded stack when every service answers, else None."""
+    """The recorded stack when every server answers (the launcher aside: without it commands run in their own
+    process), else None."""
     stack = Stack.load()
-    if stack is None or set(stack.services) != set(service_ports(stack.backend)):
+    servers = service_ports(stack.backend) if stack is not None else {}
+    if stack is None or not set(servers) <= set(stack.services):
         return None
-    return stack if all(service.answers(timeout_s=2.0) for service in stack.services.values()) else None
+    return stack if all(stack.services[name].answers(timeout_s=2.0) for name in servers) else None

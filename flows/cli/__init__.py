@@ -28,6 +28,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "hand_over", False):  # on a `ppoflow up` stack: run in its launcher's pre-imported process
+        from flows.cli.flow_commands import LAUNCHED
+        from flows.launcher import hand_over
+
+        code = hand_over(sys.argv[1:] if argv is None else list(argv), LAUNCHED, args.verbose)
+        if code is not None:
+            return code
     return args.run(args)
 
 

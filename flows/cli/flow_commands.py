@@ -248,7 +248,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
         help="Prefect flow-run retries: a failed run starts again from its latest "
         "checkpoint, reattaching to its workers (default 0)",
     )
-    train.set_defaults(run=run_flow_command, flow_command=_train)
+    train.set_defaults(run=run_flow_command, flow_command=_train, hand_over=True)
     _add_sweep(commands, flow_options)
     evaluate = commands.add_parser(
         "evaluate",

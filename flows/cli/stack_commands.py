@@ -20,8 +20,9 @@ def use_stack() -> str:
             f"{env('MLFLOW_TRACKING_URI') or 'at trainer.tracking_uri'}, Ray "
             f"{env('RAY_ADDRESS') or 'at trainer.ray.address, else a local one'}"
         )
-    for key, value in stack.env().items():
-        os.environ.setdefault(key, value)
+    from flows.prefect_server import point_prefect_at
+
+    point_prefect_at({key: value for key, value in stack.env().items() if key not in os.environ})
     return (
         f"the ppoflow stack: Prefect {os.environ['PREFECT_API_URL']}, MLflow {os.environ['MLFLOW_TRACKING_URI']}, Ray "
         f"{os.environ['RAY_ADDRESS']}"

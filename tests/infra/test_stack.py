@@ -2,6 +2,9 @@
 (PPOFLOW_HOME in a temporary folder), and a training run that uses them, seen in their UIs by a real Chromium."""
 
 import json
+import signal
+import subprocess
+import sys
 
 import httpx
 from mlflow.tracking import MlflowClient
@@ -32,7 +35,8 @@ def test_up_status_train_down(stack_env, tmp_path, demo_cache):
     assert started.returncode == 0, started.stdout + started.stderr
     state = json.loads((tmp_path / "home" / "stack.json").read_text())
     services = state["services"]
-    assert {name: s["port"] for name, s in services.items()} == ports
+    assert {name: s["port"] for name, s in services.items() if name != "launcher"} == ports
+    assert services["launcher"]["url"] == f"unix:{tmp_path / 'home' / 'launcher.sock'}"
     assert f"export PREFECT_API_URL=http://127.0.0.1:{ports['prefect']}/api" in started.stdout
     assert httpx.get(f"http://127.0.0.1:{ports['prefect']}/api/health").status_code == 200
     assert httpx.get(f"http://127.0.0.1:{ports['mlflow']}/health").status_code == 200
@@ -40,9 +44,9 @@ def test_up_status_train_down(stack_env, tmp_path, demo_cache):
     token = tmp_path / "user" / ".ray" / "auth_token"
     assert token.stat().st_mode & 0o777 == 0o600  # the owner's only
     status = ppoflow(stack_env, "status", timeout=60)
-    assert status.returncode == 0 and status.stdout.count("running, answers") == 3
+    assert status.returncode == 0 and status.stdout.count("running, answers") == 4
     again = ppoflow(stack_env, "up")  # idempotent: nothing new
-    assert again.returncode == 0 and again.stdout.count("already running") == 3
+    assert again.returncode == 0 and again.stdout.count("already running") == 4
     assert json.loads((tmp_path / "home" / "stack.json").read_text())["services"] == services
 
     # a training run uses the stack: its Ray head, its MLflow server, its Prefect server. As the README has it: the
@@ -54,7 +58,11 @@ def test_up_status_train_down(stack_env, tmp_path, demo_cache):
     overrides = [*SMALL_DEMO, "trainer.total_training_steps=1", "trainer.test_freq=-1"]
     trained = ppoflow(stack_env, "train", "--verbose", *overrides, timeout=600, cwd=work)
     assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
-    assert trained.stdout.splitlines()[0].startswith("ppoflow train: using the ppoflow stack")
+    # it ran in a process forked by the stack's launcher (its modules imported), which found the stack as the
+    # command would have
+    lines = trained.stdout.splitlines()
+    assert lines[0].startswith("ppoflow train: runs in a process of the stack's launcher"), lines[:3]
+    assert lines[1].startswith("ppoflow train: using the ppoflow stack"), lines[:3]
     # --verbose: the start-up phases, in seconds since the command began, in order; the set-up line has the rest
     phases = [line.split(" s ", 1)[1] for line in trained.stdout.splitlines() if " +" in line and " s " in line]
     assert phases[:2] == ["Prefect and the stack configured", "config, inputs and resume checked"], phases
@@ -68,8 +76,27 @@ def test_up_status_train_down(stack_env, tmp_path, demo_cache):
     assert (work / "checkpoints" / "ppoflow" / "demo" / "global_step_1" / "actor").is_dir()
     views_of_the_run(ports, flow_runs[0]["id"], result)
 
+    # Ctrl-C reaches a run in the launcher's process: the command passes SIGINT on, the run stops as in a process of
+    # its own (exit 130, its MLflow run KILLED)
+    command = [sys.executable, "-m", "flows.cli", "train", *SMALL_DEMO, "trainer.experiment_name=interrupted"]
+    interrupted = subprocess.Popen(
+        [*command, "trainer.total_training_steps=50"],
+        env=stack_env,
+        cwd=work,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    for line in interrupted.stdout:
+        if "step 1/" in line:
+            interrupted.send_signal(signal.SIGINT)
+            break
+    output = interrupted.communicate(timeout=120)[0]
+    assert interrupted.returncode == 130, output[-3000:]
+    assert "stopped by SIGINT; the run is marked KILLED" in output
+
     stopped = ppoflow(stack_env, "down", timeout=120)
-    assert stopped.returncode == 0 and "stopped prefect, mlflow, ray" in stopped.stdout
+    assert stopped.returncode == 0 and "stopped prefect, mlflow, ray, launcher" in stopped.stdout
     assert not any(process_group_alive(s["pid"]) for s in services.values())
     assert not any(port_open(port) for port in ports.values())
     assert ppoflow(stack_env, "status", timeout=60).returncode == 1

@@ -38,7 +38,7 @@ def test_the_demo_on_postgresql_and_s3_written_read_back_and_stopped(team_env, t
     started = ppoflow(env, "up", "--backend", "postgres", "--data-dir", str(data / "stack"), *options)
     assert started.returncode == 0, started.stdout + started.stderr
     services = json.loads((tmp_path / "home" / "stack.json").read_text())["services"]
-    assert list(services) == ["postgres", "s3", "prefect", "mlflow", "ray"]  # the stores first
+    assert list(services) == ["postgres", "s3", "prefect", "mlflow", "ray", "launcher"]  # the stores first
     exports = dict(
         line.removeprefix("export ").split("=", 1) for line in started.stdout.splitlines() if "export" in line
     )
@@ -109,6 +109,6 @@ def test_the_demo_on_postgresql_and_s3_written_read_back_and_stopped(team_env, t
     assert any(key.startswith("val-core/") for key in evaluation["metrics"])
 
     stopped = ppoflow(env, "down", timeout=120)
-    assert stopped.returncode == 0 and "stopped postgres, s3, prefect, mlflow, ray" in stopped.stdout
+    assert stopped.returncode == 0 and "stopped postgres, s3, prefect, mlflow, ray, launcher" in stopped.stdout
     assert not any(process_group_alive(service["pid"]) for service in services.values())
     assert not any(port_open(port) for port in ports.values())
