@@ -64,6 +64,15 @@ def launcher_socket() -> Path:
     return stack_home() / "launcher.sock"
 
 
+UNIX_SOCKET_PATH_BYTES = 107  # Linux's limit (sun_path)
+
+
+def launcher_fits() -> bool:
+    """Whether the launcher's socket path fits a Unix socket's address; without it commands run in their own process
+    (``ppoflow up`` says so: a shorter PPOFLOW_HOME gives it one)."""
+    return len(os.fsencode(launcher_socket())) <= UNIX_SOCKET_PATH_BYTES
+
+
 def unix_socket_answers(path: str | Path) -> bool:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
         try:
@@ -373,7 +382,8 @@ def up(
     started: list[Service] = []
     stores = None
     try:
-        for name, port in {**wanted, LAUNCHER: 0}.items():  # the launcher last: it imports for seconds
+        launcher = {LAUNCHER: 0} if launcher_fits() else {}
+        for name, port in {**wanted, **launcher}.items():  # the launcher last: it imports for seconds
             if name == "prefect" and backend == "postgres":  # the stores answer before the servers using them start
                 wait_until_answering(started)
                 stores = {store: stack.services[store].port for store in STORE_PORTS}

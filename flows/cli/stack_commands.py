@@ -30,7 +30,7 @@ def use_stack() -> str:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from infra.stack import up
+    from infra.stack import LAUNCHER, UNIX_SOCKET_PATH_BYTES, launcher_socket, up
     from infra.team_backend import BUCKET
 
     ports = {name: getattr(args, f"{name}_port") for name in ("prefect", "mlflow", "ray", "postgres", "s3")}
@@ -42,6 +42,11 @@ def _up(args: argparse.Namespace) -> int:
     print(f"ppoflow stack, {stack.backend} backend (data in {stack.data_dir}):")
     for name, service in stack.services.items():
         print(f"  {name:8} {service.url:32} pid {service.pid:<8} {'started' if name in started else 'already running'}")
+    if LAUNCHER not in stack.services:
+        print(
+            f"  (no launcher: its socket path {launcher_socket()} is longer than a Unix socket's "
+            f"{UNIX_SOCKET_PATH_BYTES} bytes; commands run in their own process: a shorter PPOFLOW_HOME gives it one)"
+        )
     if stack.backend == "postgres":
         print(f"checkpoints on its S3 store: trainer.default_local_dir=s3://{BUCKET}/checkpoints/<run>")
     print("use it from a shell with:")

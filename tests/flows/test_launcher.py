@@ -12,7 +12,7 @@ import pytest
 from prefect.settings import PREFECT_API_URL
 
 from flows.launcher import PACKAGES, changed_sources, project_sources, refusal
-from infra.stack import unix_socket_answers
+from infra.stack import launcher_fits, unix_socket_answers
 from tests.conftest import ROOT, free_port
 
 STACK_VARIABLES = ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "RAY_ADDRESS", "PPOFLOW_LAUNCHER")
@@ -121,7 +121,7 @@ def test_a_changed_source_file_makes_the_launcher_start_again_with_the_new_code(
     assert process.poll() is None
 
 
-def test_what_the_launcher_refuses_and_which_sources_it_watches(tmp_path):
+def test_what_the_launcher_refuses_and_which_sources_it_watches(tmp_path, monkeypatch):
     module = tmp_path / "module.py"
     module.write_text("x = 1\n")
     sources = {str(module): module.stat().st_mtime_ns}
@@ -139,3 +139,9 @@ def test_what_the_launcher_refuses_and_which_sources_it_watches(tmp_path):
     request = {"python": sys.executable, "code": str(ROOT)}
     assert "Python" in refusal({**request, "python": "/usr/bin/python9"}, {})
     assert "code is at /elsewhere" in refusal({**request, "code": "/elsewhere"}, {})
+
+    # a home whose socket path is longer than a Unix socket's address: `ppoflow up` starts no launcher (and says so)
+    monkeypatch.setenv("PPOFLOW_HOME", "/tmp/" + "h" * 88)  # 107 bytes with "/launcher.sock"
+    assert launcher_fits()
+    monkeypatch.setenv("PPOFLOW_HOME", "/tmp/" + "h" * 89)
+    assert not launcher_fits()
