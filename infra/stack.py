@@ -281,7 +281,7 @@ def start_service(name: str, port: int, data: Path, stores: dict[str, int] | Non
     check_port(name, port)
     command, env, url = service_command(name, port, data, stores)
     if name == "ray":
-        ensure_auth_token(command[0], {**os.environ, **env})
+        ensure_auth_token(_tool("ray"), {**os.environ, **env})
     logs = data / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     log = logs / f"{name}.log"
