@@ -143,8 +143,8 @@ def start_temporary_server(timeout_s: float = 120.0) -> Callable[[], None]:
 
 
 def point_prefect_at(settings: dict[str, str | None]) -> None:
-    """Set (or, for None, unset) Prefect's settings in the environment; Prefect reads them when imported, so an
-    imported Prefect reads them again."""
+    """Set (or, for None, unset) environment variables, Prefect's settings among them; Prefect reads its settings
+    when imported, so an imported Prefect reads them again."""
     for key, value in settings.items():
         if value is None:
             os.environ.pop(key, None)
