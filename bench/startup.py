@@ -2,14 +2,16 @@
 (interpreter start and imports included) to the ``step 1/2`` line, on the embedded default (a local Ray cluster and
 Prefect's temporary server started by the command) or on a running ``ppoflow up`` stack.
 
-    python bench/startup.py [--runs 5] [--stack [--own-process]] [--baseline PATH]
+    python bench/startup.py [--runs 5] [--stack [--own-process] [--pause S]] [--baseline PATH]
 
 A first run per code builds the demo's assets and the MLflow store (not timed), as a user's second run finds them.
 ``--baseline PATH``: another checkout of the project (e.g. ``git worktree add /tmp/base HEAD~1``), run alternately with
 this one (its modules first on PYTHONPATH; with ``--stack`` each code gets a stack of its own, started with it, since
 the stack's Ray workers import the stack's code). ``--own-process`` (with ``--stack``): each run of this code is
 alternated with one in the command's own process (``PPOFLOW_LAUNCHER=0``, not handed to the stack's launcher,
-flows/launcher.py) on the same stack. Run it alone: the start-up is CPU-bound on a small machine. Prints a
+flows/launcher.py) on the same stack. ``--pause S`` (with ``--stack``): S seconds between one command's end and the
+next one's start, as a user reading the output takes (the standby workers a run leaves, infra/standby.py, import
+meanwhile); 0, back to back, by default. Run it alone: the start-up is CPU-bound on a small machine. Prints a
 table (each run, the median) and, last, one JSON line ``{"codes": {name: {"seconds", "median_s"}}}``.
 """
 
@@ -77,6 +79,7 @@ def main() -> None:
     parser.add_argument("--stack", action="store_true", help="on a running `ppoflow up` stack")
     parser.add_argument("--baseline", type=Path, help="another checkout, run alternately with this one")
     parser.add_argument("--own-process", action="store_true", help="--stack: also without the stack's launcher")
+    parser.add_argument("--pause", type=float, default=0.0, help="--stack: seconds between commands (a user's)")
     args = parser.parse_args()
     codes = {"this": ROOT, **({"baseline": args.baseline.resolve()} if args.baseline else {})}
     seconds: dict[str, list[float]] = {name: [] for name in codes}
@@ -91,8 +94,10 @@ def main() -> None:
                 try:
                     time_to_first_step(code, scratch, f"{name}-warm-up")
                     for run in range(args.runs):
+                        time.sleep(args.pause)
                         seconds[name].append(time_to_first_step(code, scratch, f"{name}-{run}"))
                         if own_process and name == "this":
+                            time.sleep(args.pause)
                             own = time_to_first_step(code, scratch, f"own-{run}", {"PPOFLOW_LAUNCHER": "0"})
                             seconds[OWN_PROCESS].append(own)
                 finally:
@@ -103,14 +108,14 @@ def main() -> None:
             for run in range(args.runs):
                 for name, code in codes.items():
                     seconds[name].append(time_to_first_step(code, scratch, f"{name}-{run}"))
-    where = "a `ppoflow up` stack" if args.stack else "the embedded default"
+    where = f"a `ppoflow up` stack, {args.pause:g} s between commands" if args.stack else "the embedded default"
     print(f"seconds to the first step line, {where}")
     print(f"{'code':<10}{'median':>8}  runs")
     results = {}
     for name, times in seconds.items():
         results[name] = {"seconds": [round(s, 2) for s in times], "median_s": round(statistics.median(times), 2)}
         print(f"{name:<10}{results[name]['median_s']:>8.2f}  {' '.join(f'{s:.2f}' for s in times)}")
-    print(json.dumps({"where": "stack" if args.stack else "embedded", "codes": results}))
+    print(json.dumps({"where": "stack" if args.stack else "embedded", "pause_s": args.pause, "codes": results}))
 
 
 if __name__ == "__main__":

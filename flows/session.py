@@ -51,12 +51,15 @@ from flows.workers import (
     build_fresh_workers,
     build_rollout_workers,
     has_separate_rollout,
+    leave_standby,
+    leaves_standby,
     reattach_workers,
     step_workers,
     weight_transport,
     weights_at,
     workers_namespace,
 )
+from infra import standby
 from infra.cluster import connect, is_persistent
 from infra.worker_group import WorkerDiedError, WorkerGroup, WorkerTimeoutError
 from rl_core.algos.kl import get_kl_controller
@@ -185,9 +188,10 @@ class TrainingSession:
             if built_before is not None
             else f"{time.perf_counter() - connected:.1f} s"
         )
+        standby_note = "; started as standby workers" if standby.NAMESPACE_MARK in self.group.namespace else ""
         log(
             f"set-up: Ray {connected - started:.1f} s (waited for), workers {built} "
-            f"({self.group.world_size} rank(s): {', '.join(self.group.roles)})"
+            f"({self.group.world_size} rank(s): {', '.join(self.group.roles)}{standby_note})"
         )
         if point is not None:
             self._restore(point.folder, load_weights=not reuse_weights)
@@ -277,7 +281,9 @@ class TrainingSession:
             if error is not None and self.tracker is not None:
                 self.tracker.fail(error, killed=told_to_stop(error))
             self._drop_rollout_groups()
-            if self.group is not None and (error is None or not keeps_workers_on_failure(self.config, error)):
+            if self.group is not None and error is None and leaves_standby():
+                self.view.log(leave_standby(self.group, self.config))  # the next run of this shape adopts it
+            elif self.group is not None and (error is None or not keeps_workers_on_failure(self.config, error)):
                 self.group.kill()
             flush_reported_runs()  # the step's task runs reach Prefect before its flow run ends
             self.view.close(timeout_s=30 if error is None else 5)

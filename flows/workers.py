@@ -8,7 +8,10 @@ actor (together, in the fused ``actor_rollout_ref`` role), then the reward model
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -17,6 +20,8 @@ from typing import Any
 import ray
 from omegaconf import DictConfig
 
+from infra import standby
+from infra.cluster import is_persistent
 from infra.resource_pool import ResourcePool, remove_placement_groups, smallest_node_cpus
 from infra.weight_transport import CollectiveTransport, ObjectStoreTransport
 from infra.worker_group import WorkerGroup, placement_group_prefix
@@ -31,6 +36,13 @@ ROLLOUT_PREFIX = "rollout"  # a rollout of its own: its group beside the trainer
 NAMESPACE_PREFIX = "ppoflow-run-"
 WORKERS_NAMESPACE_TAG = "ppoflow.workers_namespace"  # the MLflow run's tag naming its workers' namespace
 RUN_LABEL = "mlflow_run_id"  # the group's label naming the MLflow run it serves (beside the namespace)
+STANDBY_LABEL = "standby"  # a standby group's run label (`ppoflow workers` lists it so)
+STANDBY_SWITCH = "PPOFLOW_STANDBY_WORKERS"  # "0": a command on the stack leaves no standby group
+# what a standby worker imports of what a used one had: libraries and the project's worker code, never a user's own
+# module (it may change before the run that adopts the worker)
+STANDBY_IMPORTS = ("torch", "transformers", "peft", "safetensors", "tokenizers", "rl_core", "infra")
+STANDBY_ROOM_S = 10.0  # how long a command ending waits for room for a standby group (another run may hold it)
+PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def workers_namespace(config: DictConfig) -> str:
@@ -110,6 +122,7 @@ def build_rollout_workers(config: DictConfig, namespace: str) -> list[WorkerGrou
     computed there after generation; weights from the actor through :func:`weight_transport`), built side by side with
     their models loaded; whatever an earlier run of the namespace left ends first."""
     kill_rollout_workers(namespace)
+    standby.release(PREFIX)  # its resources may be the ones these workers need
     pool = resource_pool(config, "rollout")
     options = {
         "device": worker_device(config),
@@ -170,7 +183,9 @@ def build_workers(
 def start_workers(config: DictConfig, namespace: str, evaluation: bool = False) -> WorkerGroup:
     """The worker processes of a fresh group, started (each imports torch and the models' code) with nothing loaded.
     The roles, resources and ranks come from ``config``; the models' paths and LR schedules may still change
-    (:func:`load_models` takes the final config)."""
+    (:func:`load_models` takes the final config). A standby group on the cluster ends first: its resources may be the
+    ones this group needs."""
+    standby.release(PREFIX)
     return WorkerGroup.create(
         resource_pool(config),
         role_specs(config, evaluation),
@@ -199,10 +214,10 @@ def load_models(
 
 def start_fresh_workers(config: DictConfig) -> WorkerGroup:
     """:func:`start_workers` in the run's namespace, after ending whatever group an earlier run of the same folder left
-    there."""
+    there; a standby group whose workers fit the run's instead when there is one (:func:`adopt_standby`)."""
     namespace = workers_namespace(config)
     kill_worker_group(namespace)
-    return start_workers(config, namespace)
+    return adopt_standby(config, namespace) or start_workers(config, namespace)
 
 
 def build_fresh_workers(config: DictConfig, log: Callable[[str], None] = print) -> WorkerGroup:
@@ -213,13 +228,15 @@ def build_fresh_workers(config: DictConfig, log: Callable[[str], None] = print) 
 
 
 def reattach_workers(config: DictConfig, namespace: str) -> WorkerGroup | None:
-    """The run's live worker group (a retried flow run), or None when there is none or it is unhealthy."""
+    """The run's live worker group (a retried flow run), or None when there is none or it is unhealthy. ``namespace``:
+    the run's (:func:`workers_namespace`); its workers may live in the standby group's it adopted."""
+    live = standby.live_namespace(namespace)
     try:
-        return WorkerGroup.reattach(PREFIX, namespace, role_specs(config))
+        return WorkerGroup.reattach(PREFIX, live, role_specs(config))
     except ValueError:  # no such group
         return None
     except Exception:  # some rank is dead or hangs: clear the remains, the caller builds a new group
-        WorkerGroup.kill_named(PREFIX, namespace)
+        WorkerGroup.kill_named(PREFIX, live)
         return None
 
 
@@ -295,7 +312,9 @@ def worker_groups(tracking_uri: str | None = None, timeout_s: float = 5.0) -> li
             time.time() - min(r["started_at"] for r in reports) if reports else None,
             resources,
         )
-        if client is not None and info.run_id != "?":
+        if info.run_id == STANDBY_LABEL:
+            info.run_status = "idle"  # serves no run yet (infra/standby.py)
+        elif client is not None and info.run_id != "?":
             try:
                 info.run_status = client.get_run(info.run_id).info.status
             except Exception:
@@ -319,6 +338,106 @@ def namespace_of_run(run_id: str, client: Any = None, groups: list[WorkerGroupIn
 
 
 def kill_worker_group(namespace: str) -> int:
-    """End the worker groups in ``namespace`` (the trainer's and a rollout's own) and free their placement groups;
-    returns how many workers were killed."""
-    return WorkerGroup.kill_named(PREFIX, namespace) + kill_rollout_workers(namespace)
+    """End the worker groups of ``namespace`` (the trainer's and a rollout's own), there and in the standby group's
+    namespace it adopted, and free their placement groups; returns how many workers were killed."""
+    killed = sum(
+        WorkerGroup.kill_named(PREFIX, where) + kill_rollout_workers(where)
+        for where in {namespace, standby.live_namespace(namespace)}
+    )
+    standby.forget(namespace)
+    return killed
+
+
+# ---------------------------------------------------------------------------------------------- standby groups
+def leaves_standby() -> bool:
+    """Whether a training command that ends cleanly leaves a standby group (infra/standby.py): when it is connected
+    to the Ray of the running ``ppoflow up`` stack (not the embedded cluster, which ends with the command, nor a team's,
+    whose resources a standby group would hold), unless ``PPOFLOW_STANDBY_WORKERS=0``."""
+    if os.environ.get(STANDBY_SWITCH) == "0" or not is_persistent():
+        return False
+    from infra.stack import HOST, Stack
+
+    stack = Stack.load()
+    ray_service = stack.services.get("ray") if stack is not None else None
+    return ray_service is not None and ray.get_runtime_context().gcs_address == f"{HOST}:{ray_service.port}"
+
+
+def code_fingerprint() -> str:
+    """The workers' code as it is on disk: every source file of ``rl_core`` and ``infra`` (path, size, modification
+    time). A worker that imported other code fits no run."""
+    entries = []
+    for package in ("rl_core", "infra"):
+        for folder, _, files in sorted(os.walk(os.path.join(PROJECT_ROOT, package))):
+            for name in sorted(file for file in files if file.endswith(".py")):
+                stat = os.stat(os.path.join(folder, name))
+                entries.append(f"{folder}/{name}:{stat.st_size}:{stat.st_mtime_ns}")
+    return hashlib.sha256("\n".join(entries).encode()).hexdigest()[:16]
+
+
+def worker_shape(config: DictConfig) -> str:
+    """What makes a started group fit a run before its models load: the roles and their classes, the resource pool
+    (workers per node, CPUs each, accelerator) and the workers' code (:func:`code_fingerprint`)."""
+    pool = resource_pool(config)
+    record = {
+        "roles": {role: f"{cls.__module__}.{cls.__qualname__}" for role, (cls, _, _) in role_specs(config).items()},
+        "nodes": pool.process_on_nodes,
+        "cpus": pool.cpus_per_worker,
+        "accelerator": pool.accelerator,
+        "code": code_fingerprint(),
+    }
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def leave_standby(used: WorkerGroup, config: DictConfig) -> str:
+    """End the run's ``used`` group and start a standby group of its shape in its place, each worker importing what the
+    used rank 0 had imported of STANDBY_IMPORTS, while no run waits; returns a line saying what was left. None is left
+    when the cluster has no room for it within STANDBY_ROOM_S (another run holds it), nor when the cluster fails to
+    start it: the run that ended is not failed by what is only a head start for the next."""
+    began = time.perf_counter()
+    try:
+        imports = ray.get(used.actors[0].imported_modules.remote(list(STANDBY_IMPORTS)), timeout=10)
+    except Exception:  # a rank gone: the standby imports what its constructor does
+        imports = []
+    used.kill()
+    namespace = f"{NAMESPACE_PREFIX}{standby.NAMESPACE_MARK}{uuid.uuid4().hex[:12]}"
+    try:
+        standby.forget(workers_namespace(config))
+        standby.release(PREFIX)  # one at a time
+        group = WorkerGroup.create(
+            resource_pool(config),
+            role_specs(config),
+            PREFIX,
+            namespace,
+            timeout_s=STANDBY_ROOM_S,
+            join=False,  # this command ends now: the workers start on their own, their adopter joins them
+            labels={RUN_LABEL: STANDBY_LABEL},
+            imports=tuple(imports),
+        )
+        standby.register(namespace, worker_shape(config))  # unrecorded, it would be ended as one whose record was lost
+    except Exception as error:
+        return f"no standby workers left ({type(error).__name__}: {error})"
+    seconds = time.perf_counter() - began
+    return (
+        f"left {group.world_size} standby worker(s) in {seconds:.2f} s, importing {len(imports)} modules, for the next "
+        "run of this shape"
+    )
+
+
+def adopt_standby(config: DictConfig, namespace: str) -> WorkerGroup | None:
+    """A standby group whose workers fit ``config``'s (:func:`worker_shape`), joined and recorded as the workers of
+    ``namespace`` (the run's); None when there is none (or it died: its remains end)."""
+    if not standby.has_any():
+        return None
+    live = standby.claim(worker_shape(config))
+    if live is None:
+        return None
+    standby.adopt(namespace, live)  # first: a command releasing standby groups spares an adopted one
+    try:
+        group = WorkerGroup.reattach(PREFIX, live, role_specs(config), config.trainer.worker_timeout_s)
+        if group.world_size > 1:
+            group.join("nccl" if worker_device(config) == "cuda" else "gloo", config.trainer.worker_timeout_s)
+    except Exception:
+        WorkerGroup.kill_named(PREFIX, live)
+        standby.forget(namespace)
+        return None
+    return group

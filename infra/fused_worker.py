@@ -8,8 +8,10 @@ torch.distributed group of its worker group and answers health checks.
 
 from __future__ import annotations
 
+import importlib
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -39,16 +41,29 @@ def _forwarder(role: str, method_name: str, mode: str) -> Callable:
 class FusedWorkerBase:
     """What every fused worker process has besides its roles: distributed set-up and health."""
 
-    def __init__(self, role_specs: dict[str, RoleSpec], rank_env: dict[str, str]):
+    def __init__(
+        self,
+        role_specs: dict[str, RoleSpec],
+        rank_env: dict[str, str],
+        labels: dict[str, str] | None = None,
+        imports: tuple[str, ...] = (),
+    ):
         """``rank_env``: RANK / WORLD_SIZE / LOCAL_RANK, set here rather than in a Ray ``runtime_env``, which would
-        start a process of its own for the actor where Ray has idle ones started already (~1 s of start-up)."""
+        start a process of its own for the actor where Ray has idle ones started already (~1 s of start-up).
+        ``labels``: as :meth:`set_labels`. ``imports``: modules imported before the worker answers (a standby worker
+        imports what a used one had, :meth:`imported_modules`); one that does not import is skipped."""
         os.environ.update(rank_env)
         self.set_roles(role_specs)
         self.started_at = time.time()
-        self.labels: dict[str, str] = {}
+        self.labels: dict[str, str] = dict(labels or {})
         import ray
 
         self.node_id = ray.get_runtime_context().get_node_id()  # the Ray node this worker runs on
+        for name in imports:
+            try:
+                importlib.import_module(name)
+            except Exception:  # e.g. a module made at run time; the run imports what it needs anyway
+                pass
 
     def set_roles(self, role_specs: dict[str, RoleSpec]) -> None:
         """Make the role objects (again) from ``role_specs``: the same roles and classes this process was made for,
@@ -75,6 +90,10 @@ class FusedWorkerBase:
     def set_labels(self, labels: dict[str, str]) -> None:
         """What the controller says this worker serves (e.g. its training run), reported by :meth:`health`."""
         self.labels.update(labels)
+
+    def imported_modules(self, packages: list[str]) -> list[str]:
+        """The modules of ``packages`` (top-level names) this process has imported, in the order it imported them."""
+        return [name for name in list(sys.modules) if name.partition(".")[0] in packages]
 
     def health(self) -> dict[str, Any]:
         """Liveness and where the weights are: rank, pid, Ray node id, start time, labels, and each role's number of

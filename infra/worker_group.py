@@ -91,11 +91,16 @@ class WorkerGroup:
         namespace: str,
         timeout_s: float = 120.0,
         env_vars: dict[str, str] | None = None,
+        join: bool = True,
+        labels: dict[str, str] | None = None,
+        imports: tuple[str, ...] = (),
     ) -> WorkerGroup:
-        """Start one fused worker per bundle of ``pool`` and join them in a process group. The pool's placement
-        groups are created here, named after ``prefix`` (so that :meth:`kill` finds them after a reattach).
-        ``env_vars``: what the worker processes need from their start (PYTHONPATH); without it an actor takes one of
-        the idle processes Ray keeps started."""
+        """Start one fused worker per bundle of ``pool`` and (``join``) wait for them and join them in a process
+        group; without ``join`` the workers start on their own (a standby group: its adopter joins them,
+        :meth:`join`). The pool's placement groups are created here, named after ``prefix`` (so that :meth:`kill` finds
+        them after a reattach). ``env_vars``: what the worker processes need from their start (PYTHONPATH); without it
+        an actor takes one of the idle processes Ray keeps started. ``labels``, ``imports``: each worker's (its
+        constructor's, :class:`infra.fused_worker.FusedWorkerBase`)."""
         if not pool.placement_groups:
             pool.create(placement_group_prefix(namespace, prefix), timeout_s)
         remote_class = ray.remote(fused_worker_class(role_specs))
@@ -121,22 +126,11 @@ class WorkerGroup:
                     options["num_gpus"] = share
                 elif pool.accelerator:
                     options["resources"] = {pool.accelerator: share}
-                actors.append(remote_class.options(**options).remote(role_specs, rank_env))
+                actors.append(remote_class.options(**options).remote(role_specs, rank_env, labels, imports))
                 names.append(name)
             group = cls(actors, names, role_specs, namespace, prefix)
-            if world > 1:
-                master_addr, master_port = group._wait(
-                    [actors[0].master_address.remote()], "set-up", timeout_s, names[:1]
-                )[0]
-                backend = "nccl" if pool.accelerator == "GPU" else "gloo"
-                group._wait(
-                    [a.setup_distributed.remote(master_addr, master_port, backend) for a in actors],
-                    "set-up",
-                    timeout_s,
-                    names,
-                )
-            else:
-                group.health(timeout_s)
+            if join:
+                group.join("nccl" if pool.accelerator == "GPU" else "gloo", timeout_s)
         except BaseException as error:  # a half-made group holds resources: free them before reporting
             cls(actors, names, role_specs, namespace, prefix).kill()
             if isinstance(error, WorkerTimeoutError):
@@ -159,6 +153,22 @@ class WorkerGroup:
         group = cls(actors, names, role_specs, namespace, prefix)
         group.health(timeout_s)
         return group
+
+    def join(self, backend: str, timeout_s: float) -> None:
+        """Wait for every rank to be constructed; with several, join them in a torch.distributed group (``backend``:
+        gloo on CPU, nccl on GPU) whose rendezvous rank 0 hosts."""
+        if self.world_size == 1:
+            self.health(timeout_s)
+            return
+        master_addr, master_port = self._wait(
+            [self.actors[0].master_address.remote()], "set-up", timeout_s, self.names[:1]
+        )[0]
+        self._wait(
+            [a.setup_distributed.remote(master_addr, master_port, backend) for a in self.actors],
+            "set-up",
+            timeout_s,
+            self.names,
+        )
 
     # ------------------------------------------------------------------ calls
     def role(self, role: str, timeout_s: float = 600.0) -> RoleView:

@@ -75,9 +75,11 @@ def test_up_status_train_down(stack_env, tmp_path, demo_cache):
     assert [run["name"] for run in flow_runs] and all(run["state_type"] == "COMPLETED" for run in flow_runs)
     assert (work / "checkpoints" / "ppoflow" / "demo" / "global_step_1" / "actor").is_dir()
     views_of_the_run(ports, flow_runs[0]["id"], result)
+    # it ended by leaving a started worker group of its shape on the stack, for the next run
+    assert "left 1 standby worker(s) in " in trained.stdout + trained.stderr
 
     # Ctrl-C reaches a run in the launcher's process: the command passes SIGINT on, the run stops as in a process of
-    # its own (exit 130, its MLflow run KILLED)
+    # its own (exit 130, its MLflow run KILLED). Its workers are the standby ones the first run left
     command = [sys.executable, "-m", "flows.cli", "train", *SMALL_DEMO, "trainer.experiment_name=interrupted"]
     interrupted = subprocess.Popen(
         [*command, "trainer.total_training_steps=50"],
@@ -87,11 +89,14 @@ def test_up_status_train_down(stack_env, tmp_path, demo_cache):
         stderr=subprocess.STDOUT,
         text=True,
     )
+    before_step = []
     for line in interrupted.stdout:
+        before_step.append(line)
         if "step 1/" in line:
             interrupted.send_signal(signal.SIGINT)
             break
-    output = interrupted.communicate(timeout=120)[0]
+    output = "".join(before_step) + interrupted.communicate(timeout=120)[0]
+    assert "rank(s): actor_rollout_ref; started as standby workers)" in output, output[-3000:]
     assert interrupted.returncode == 130, output[-3000:]
     assert "stopped by SIGINT; the run is marked KILLED" in output
 

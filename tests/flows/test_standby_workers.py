@@ -1,0 +1,136 @@
+"""Standby worker groups (infra/standby.py, flows/workers.py): a run that ends on the stack leaves one, the next run of
+the same shape adopts it, any other group's creation ends it first. The session's Ray head, real workers and models."""
+
+import copy
+import os
+
+import pytest
+import ray
+
+from flows import workers
+from flows.workers import (
+    PREFIX,
+    build_fresh_workers,
+    code_fingerprint,
+    kill_worker_group,
+    leave_standby,
+    leaves_standby,
+    load_models,
+    reattach_workers,
+    start_fresh_workers,
+    start_workers,
+    worker_shape,
+    workers_namespace,
+)
+from infra import standby
+from infra.worker_group import WorkerDiedError
+
+
+@pytest.fixture()
+def first(config, tmp_path, ray_address):
+    """A run's config (its own checkpoint folder, so its own namespace); no standby group outlives the test."""
+    config.trainer.default_local_dir = str(tmp_path / "first")
+    config.trainer.cpus_per_worker = 1
+    yield config
+    standby.release(PREFIX)
+
+
+def another_run(config, folder, **trainer):
+    other = copy.deepcopy(config)
+    other.trainer.default_local_dir = str(folder)
+    for key, value in trainer.items():
+        other.trainer[key] = value
+    return other
+
+
+def standby_namespaces() -> set[str]:
+    return {
+        actor["namespace"]
+        for actor in ray.util.list_named_actors(all_namespaces=True)
+        if standby.NAMESPACE_MARK in actor["namespace"]
+    }
+
+
+def test_the_next_run_of_the_same_shape_adopts_the_standby_group_and_finds_it_under_its_folder(first, tmp_path):
+    used = build_fresh_workers(first)
+    used_pid = used.health()[0]["pid"]
+    left = leave_standby(used, first)
+    assert left.startswith("left 1 standby worker(s) in ") and standby.has_any(), left
+    assert len(standby_namespaces()) == 1
+
+    second = another_run(first, tmp_path / "second")
+    assert worker_shape(second) == worker_shape(first)  # other paths and folders, the same workers
+    group = start_fresh_workers(second)
+    namespace = workers_namespace(second)
+    assert group.namespace in standby_namespaces() and not standby.has_any()  # taken: no other run gets it
+    assert group.health()[0]["pid"] != used_pid  # a process of its own, not the used one's
+    # it imported the model's code before any run asked (what the used worker had imported)
+    imported = ray.get(group.actors[0].imported_modules.remote(["transformers"]))
+    assert "transformers.models.qwen2.modeling_qwen2" in imported
+    load_models(group, second)
+    assert group.health()[0]["steps_trained"] == {"actor_rollout_ref": 0}
+
+    # a later controller of the second run finds the workers under its folder's namespace, as any run's
+    assert standby.live_namespace(namespace) == group.namespace
+    again = reattach_workers(second, namespace)
+    assert again is not None and again.health()[0]["pid"] == group.health()[0]["pid"]
+    # ending the run's workers by its namespace ends them where they live
+    assert kill_worker_group(namespace) == 1
+    assert standby.live_namespace(namespace) == namespace and not standby_namespaces()
+
+
+def test_a_standby_group_of_another_shape_or_whose_record_was_lost_ends_when_a_group_starts(first, tmp_path):
+    leave_standby(build_fresh_workers(first), first)
+    (live,) = standby_namespaces()
+    other = another_run(first, tmp_path / "other", cpus_per_worker=2)
+    assert worker_shape(other) != worker_shape(first)
+    assert start_fresh_workers(other).namespace == workers_namespace(other)  # not adopted: built, the standby ended
+    assert not standby_namespaces() and not standby.has_any()
+    kill_worker_group(workers_namespace(other))
+
+    # a command stopped between starting a standby group and recording it: the group is found by its namespace
+    leave_standby(build_fresh_workers(first), first)
+    standby.claim(worker_shape(first))  # the record gone
+    assert standby_namespaces() and not standby.has_any()
+    group = start_workers(other, workers_namespace(other))
+    assert not standby_namespaces()
+
+    # no room for a standby group: the run's own group ends all the same, and nothing fails
+    no_room = another_run(first, tmp_path / "other", cpus_per_worker=1000)
+    left = leave_standby(group, no_room)
+    assert left.startswith("no standby workers left (InsufficientResourcesError: resource pool"), left
+    assert not standby_namespaces() and not standby.has_any()
+    with pytest.raises(WorkerDiedError):
+        group.health()
+
+
+def test_one_claim_per_offer_and_only_for_its_shape(ray_address):
+    standby.register("ppoflow-run-standby-a", "shape1")
+    standby.register("ppoflow-run-standby-b", "shape2")
+    assert standby.claim("shape3") is None
+    assert standby.claim("shape1") == "ppoflow-run-standby-a"
+    assert standby.claim("shape1") is None  # taken
+    assert standby.has_any()  # shape2's is still offered
+    assert standby.release(PREFIX) == 0 and not standby.has_any()  # records without workers: nothing to kill
+
+
+def test_the_workers_code_on_disk_is_part_of_the_shape(tmp_path, monkeypatch):
+    source = tmp_path / "rl_core" / "algos" / "loss.py"
+    source.parent.mkdir(parents=True)
+    source.write_text("a = 1\n")
+    monkeypatch.setattr(workers, "PROJECT_ROOT", str(tmp_path))
+    before = code_fingerprint()
+    (tmp_path / "rl_core" / "notes.txt").write_text("not code")
+    (tmp_path / "flows").mkdir()
+    (tmp_path / "flows" / "cli.py").write_text("the controller's code: not the workers'")
+    assert code_fingerprint() == before
+    os.utime(source, ns=(source.stat().st_atime_ns, source.stat().st_mtime_ns + 1))
+    assert code_fingerprint() != before
+    source.write_text("a = 22\n")
+    assert code_fingerprint() != before
+
+
+def test_only_a_command_on_the_stack_leaves_a_standby_group(ray_address, monkeypatch):
+    assert not leaves_standby()  # the session's head is no `ppoflow up` stack's
+    monkeypatch.setenv("PPOFLOW_HOME", "/nonexistent")
+    assert not leaves_standby()
