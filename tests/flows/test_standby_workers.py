@@ -6,6 +6,7 @@ import os
 
 import pytest
 import ray
+import torch
 
 from flows import workers
 from flows.workers import (
@@ -24,6 +25,8 @@ from flows.workers import (
 )
 from infra import standby
 from infra.worker_group import WorkerDiedError
+from rl_core.models.loading import load_tokenizer
+from tests.rl_core.helpers import addition_dataset
 
 
 @pytest.fixture()
@@ -51,9 +54,20 @@ def standby_namespaces() -> set[str]:
     }
 
 
+def sampled(group, prompts):
+    """What the group's policy samples for ``prompts`` (seeded by the step) and its log-probs of it."""
+    actor = group.role("actor_rollout_ref")
+    batch = actor.generate_sequences(prompts)
+    return batch.tensors["responses"], actor.compute_log_prob(batch).tensors["old_log_probs"]
+
+
 def test_the_next_run_of_the_same_shape_adopts_the_standby_group_and_finds_it_under_its_folder(first, tmp_path):
+    tokenizer = load_tokenizer(first.actor_rollout_ref.model.path)
+    prompts = addition_dataset(tmp_path, tokenizer, first.data, count=4).collate([0, 1, 2, 3], "p-")
+    prompts.meta_info["global_step"] = 1
     used = build_fresh_workers(first)
     used_pid = used.health()[0]["pid"]
+    fresh_responses, fresh_log_probs = sampled(used, prompts)
     left = leave_standby(used, first)
     assert left.startswith("left 1 standby worker(s) in ") and standby.has_any(), left
     assert len(standby_namespaces()) == 1
@@ -69,6 +83,8 @@ def test_the_next_run_of_the_same_shape_adopts_the_standby_group_and_finds_it_un
     assert "transformers.models.qwen2.modeling_qwen2" in imported
     load_models(group, second)
     assert group.health()[0]["steps_trained"] == {"actor_rollout_ref": 0}
+    responses, log_probs = sampled(group, prompts)  # as a fresh group's, to the bit
+    assert torch.equal(responses, fresh_responses) and torch.equal(log_probs, fresh_log_probs)
 
     # a later controller of the second run finds the workers under its folder's namespace, as any run's
     assert standby.live_namespace(namespace) == group.namespace
