@@ -281,14 +281,22 @@ class TrainingSession:
             if error is not None and self.tracker is not None:
                 self.tracker.fail(error, killed=told_to_stop(error))
             self._drop_rollout_groups()
-            if self.group is not None and error is None and leaves_standby():
-                self.view.log(leave_standby(self.group, self.config))  # the next run of this shape adopts it
-            elif self.group is not None and (error is None or not keeps_workers_on_failure(self.config, error)):
-                self.group.kill()
+            self._end_group(error)
             flush_reported_runs()  # the step's task runs reach Prefect before its flow run ends
             self.view.close(timeout_s=30 if error is None else 5)
         finally:
             self.folder_lock.release()
+
+    def _end_group(self, error: BaseException | None) -> None:
+        """The run's workers at its end: kept after a failure when a next controller may reattach to them
+        (:func:`keeps_workers_on_failure`); on the stack, after a run that finished or was told to stop (a user's
+        Ctrl-C before a changed run), ended and replaced by a standby group the next run adopts; else ended."""
+        if self.group is None or (error is not None and keeps_workers_on_failure(self.config, error)):
+            return
+        if (error is None or told_to_stop(error)) and leaves_standby():
+            self.view.log(leave_standby(self.group, self.config))
+        else:
+            self.group.kill()
 
     # ------------------------------------------------------------------ the loop's parts
     @contextmanager

@@ -350,9 +350,9 @@ def kill_worker_group(namespace: str) -> int:
 
 # ---------------------------------------------------------------------------------------------- standby groups
 def leaves_standby() -> bool:
-    """Whether a training command that ends cleanly leaves a standby group (infra/standby.py): when it is connected
-    to the Ray of the running ``ppoflow up`` stack (not the embedded cluster, which ends with the command, nor a team's,
-    whose resources a standby group would hold), unless ``PPOFLOW_STANDBY_WORKERS=0``."""
+    """Whether a training run that ends (finished, or told to stop) leaves a standby group (infra/standby.py): when it
+    is connected to the Ray of the running ``ppoflow up`` stack (not the embedded cluster, which ends with the command,
+    nor a team's, whose resources a standby group would hold), unless ``PPOFLOW_STANDBY_WORKERS=0``."""
     if os.environ.get(STANDBY_SWITCH) == "0" or not is_persistent():
         return False
     from infra.stack import HOST, Stack
@@ -395,8 +395,8 @@ def leave_standby(used: WorkerGroup, config: DictConfig) -> str:
     start it: the run that ended is not failed by what is only a head start for the next."""
     began = time.perf_counter()
     try:
-        imports = ray.get(used.actors[0].imported_modules.remote(list(STANDBY_IMPORTS)), timeout=10)
-    except Exception:  # a rank gone: the standby imports what its constructor does
+        imports = ray.get(used.actors[0].imported_modules.remote(list(STANDBY_IMPORTS)), timeout=2)
+    except Exception:  # a rank gone or still in a call (a run told to stop): it imports what its constructor does
         imports = []
     used.kill()
     namespace = f"{NAMESPACE_PREFIX}{standby.NAMESPACE_MARK}{uuid.uuid4().hex[:12]}"

@@ -99,6 +99,7 @@ def test_up_status_train_down(stack_env, tmp_path, demo_cache):
     assert "rank(s): actor_rollout_ref; started as standby workers)" in output, output[-3000:]
     assert interrupted.returncode == 130, output[-3000:]
     assert "stopped by SIGINT; the run is marked KILLED" in output
+    assert "left 1 standby worker(s) in " in output  # for the user's next run, changed or not
 
     stopped = ppoflow(stack_env, "down", timeout=120)
     assert stopped.returncode == 0 and "stopped prefect, mlflow, ray, launcher" in stopped.stdout
