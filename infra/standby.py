@@ -28,7 +28,7 @@ NAMESPACE_MARK = "standby-"  # in a standby group's namespace name: its workers 
 
 
 def register(namespace: str, shape: str) -> None:
-    """Offer the group in ``namespace`` (started, its workers ``prefix``-named as any group's) for runs of ``shape``."""
+    """Offer the worker group started in ``namespace`` (named as any run's group) to the runs of ``shape``."""
     _internal_kv_put(f"{STANDBY_KEY}{shape}/{namespace}", b"", namespace=KV_NAMESPACE)
 
 

@@ -61,7 +61,9 @@ def sampled(group, prompts):
     return batch.tensors["responses"], actor.compute_log_prob(batch).tensors["old_log_probs"]
 
 
-def test_the_next_run_of_the_same_shape_adopts_the_standby_group_and_finds_it_under_its_folder(first, tmp_path):
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_the_next_run_of_the_same_shape_adopts_the_standby_group_and_finds_it_under_its_folder(first, tmp_path, ranks):
+    first.trainer.n_gpus_per_node = ranks  # two: the adopter joins them in a process group of their own
     tokenizer = load_tokenizer(first.actor_rollout_ref.model.path)
     prompts = addition_dataset(tmp_path, tokenizer, first.data, count=4).collate([0, 1, 2, 3], "p-")
     prompts.meta_info["global_step"] = 1
@@ -69,7 +71,7 @@ def test_the_next_run_of_the_same_shape_adopts_the_standby_group_and_finds_it_un
     used_pid = used.health()[0]["pid"]
     fresh_responses, fresh_log_probs = sampled(used, prompts)
     left = leave_standby(used, first)
-    assert left.startswith("left 1 standby worker(s) in ") and standby.has_any(), left
+    assert left.startswith(f"left {ranks} standby worker(s) in ") and standby.has_any(), left
     assert len(standby_namespaces()) == 1
 
     second = another_run(first, tmp_path / "second")
@@ -91,7 +93,7 @@ def test_the_next_run_of_the_same_shape_adopts_the_standby_group_and_finds_it_un
     again = reattach_workers(second, namespace)
     assert again is not None and again.health()[0]["pid"] == group.health()[0]["pid"]
     # ending the run's workers by its namespace ends them where they live
-    assert kill_worker_group(namespace) == 1
+    assert kill_worker_group(namespace) == ranks
     assert standby.live_namespace(namespace) == namespace and not standby_namespaces()
 
 
