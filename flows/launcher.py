@@ -186,6 +186,7 @@ def serve(path: Path) -> None:
     listener.listen(16)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the children are reaped by the kernel
     print(f"launcher: {len(sources)} project modules imported, listening on {path}", flush=True)
+    offer_standby_in_a_child(listener)
     while True:
         connection, _ = listener.accept()
         try:
@@ -214,6 +215,26 @@ def serve(path: Path) -> None:
         for fd in fds:
             os.close(fd)
         connection.close()
+
+
+def offer_standby_in_a_child(listener: socket.socket) -> None:
+    """Fork a child that offers the standby worker group the stack's last run left
+    (:func:`flows.standby_workers.offer_recorded_standby`): the first run after ``ppoflow up``, or after this launcher
+    restarted with new code, adopts one too. The launcher serves commands meanwhile."""
+    if os.fork() != 0:
+        return
+    listener.close()
+    try:
+        from flows.standby_workers import offer_recorded_standby
+
+        print(f"launcher: {offer_recorded_standby()}", flush=True)
+    except Exception as error:  # a head start only: the next run starts its workers itself
+        print(f"launcher: no standby workers ({type(error).__name__}: {error})", flush=True)
+    finally:
+        import ray
+
+        ray.shutdown()
+        os._exit(0)
 
 
 def become_command(connection: socket.socket, request: dict, fds: list[int]) -> None:

@@ -42,8 +42,15 @@ from flows.resume import (
     workers_config_digest,
 )
 from flows.stages import BackgroundRun, StageRunner, flush_reported_runs, run_phase
+from flows.standby_workers import leave_standby, leaves_standby
 from flows.step_report import console_line, samples_table, validation_images, validation_summary
-from flows.tracking import PREFECT_FLOW_RUN_TAG, PREFECT_UI_TAG, RunTracker, mark_killed, tracking_uri
+from flows.tracking import (
+    PREFECT_FLOW_RUN_TAG,
+    PREFECT_UI_TAG,
+    RunTracker,
+    report_killed_controller,
+    tracking_uri,
+)
 from flows.workers import (
     ROLLOUT_PREFIX,
     RUN_LABEL,
@@ -51,8 +58,6 @@ from flows.workers import (
     build_fresh_workers,
     build_rollout_workers,
     has_separate_rollout,
-    leave_standby,
-    leaves_standby,
     reattach_workers,
     step_workers,
     weight_transport,
@@ -490,18 +495,3 @@ def told_to_stop(error: BaseException | None) -> bool:
     """SIGINT (KeyboardInterrupt) or SIGTERM (Prefect turns it into TerminationSignal inside a flow run; a cancelled
     deployment run gets one too): the run was stopped on purpose."""
     return isinstance(error, (KeyboardInterrupt, TerminationSignal))
-
-
-def report_killed_controller(holder: dict[str, Any], run_id: str, folder: Path, log=print) -> None:
-    """The checkpoint folder's lock still named ``holder``: its controller was killed before it let go. Its MLflow run
-    is marked KILLED, unless it is ``run_id``, the run this controller continues."""
-    killed_run = holder.get("mlflow_run_id")
-    who = f"pid {holder.get('pid')}, started {holder.get('started')}"
-    if killed_run == run_id:
-        log(f"the previous controller of MLflow run {run_id} ({who}) was killed; continuing the run")
-    elif killed_run and mark_killed(
-        holder.get("tracking_uri") or "",
-        killed_run,
-        f"its controller ({who}) was killed; found by the next run in {folder}",
-    ):
-        log(f"MLflow run {killed_run} in {folder} was left RUNNING by a killed controller ({who}): marked KILLED")

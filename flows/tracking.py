@@ -286,3 +286,18 @@ class RunTracker:
         self.set_tags({"ppoflow.status": status.lower()})  # after the background calls (set_tags flushes)
         self.client.set_terminated(self.run_id, status=status)
         self.background.shutdown()
+
+
+def report_killed_controller(holder: dict[str, Any], run_id: str, folder: Path, log=print) -> None:
+    """The checkpoint folder's lock still named ``holder``: its controller was killed before it let go. Its MLflow run
+    is marked KILLED, unless it is ``run_id``, the run this controller continues."""
+    killed_run = holder.get("mlflow_run_id")
+    who = f"pid {holder.get('pid')}, started {holder.get('started')}"
+    if killed_run == run_id:
+        log(f"the previous controller of MLflow run {run_id} ({who}) was killed; continuing the run")
+    elif killed_run and mark_killed(
+        holder.get("tracking_uri") or "",
+        killed_run,
+        f"its controller ({who}) was killed; found by the next run in {folder}",
+    ):
+        log(f"MLflow run {killed_run} in {folder} was left RUNNING by a killed controller ({who}): marked KILLED")

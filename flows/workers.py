@@ -11,7 +11,6 @@ import hashlib
 import json
 import os
 import time
-import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -21,7 +20,6 @@ import ray
 from omegaconf import DictConfig
 
 from infra import standby
-from infra.cluster import is_persistent
 from infra.resource_pool import ResourcePool, remove_placement_groups, smallest_node_cpus
 from infra.weight_transport import CollectiveTransport, ObjectStoreTransport
 from infra.worker_group import WorkerGroup, placement_group_prefix
@@ -37,11 +35,6 @@ NAMESPACE_PREFIX = "ppoflow-run-"
 WORKERS_NAMESPACE_TAG = "ppoflow.workers_namespace"  # the MLflow run's tag naming its workers' namespace
 RUN_LABEL = "mlflow_run_id"  # the group's label naming the MLflow run it serves (beside the namespace)
 STANDBY_LABEL = "standby"  # a standby group's run label (`ppoflow workers` lists it so)
-STANDBY_SWITCH = "PPOFLOW_STANDBY_WORKERS"  # "0": a command on the stack leaves no standby group
-# what a standby worker imports of what a used one had: libraries and the project's worker code, never a user's own
-# module (it may change before the run that adopts the worker)
-STANDBY_IMPORTS = ("torch", "transformers", "peft", "safetensors", "tokenizers", "rl_core", "infra")
-STANDBY_ROOM_S = 10.0  # how long a command ending waits for room for a standby group (another run may hold it)
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -122,8 +115,9 @@ def build_rollout_workers(config: DictConfig, namespace: str) -> list[WorkerGrou
     computed there after generation; weights from the actor through :func:`weight_transport`), built side by side with
     their models loaded; whatever an earlier run of the namespace left ends first."""
     kill_rollout_workers(namespace)
-    standby.release(PREFIX)  # its resources may be the ones these workers need
+    release_standby()  # its resources may be the ones these workers need
     pool = resource_pool(config, "rollout")
+    pool.make_room = release_standby
     options = {
         "device": worker_device(config),
         "weight_transport": weight_transport(config),
@@ -135,7 +129,12 @@ def build_rollout_workers(config: DictConfig, namespace: str) -> list[WorkerGrou
 
     def build(replica: int) -> WorkerGroup:
         replica_pool = ResourcePool(
-            f"{pool.name}{replica}", [1], pool.accelerator, pool.cpus_per_worker, capacity_wait_s=pool.capacity_wait_s
+            f"{pool.name}{replica}",
+            [1],
+            pool.accelerator,
+            pool.cpus_per_worker,
+            capacity_wait_s=pool.capacity_wait_s,
+            make_room=pool.make_room,
         )
         group = WorkerGroup.create(replica_pool, specs, f"{ROLLOUT_PREFIX}-{replica}", namespace, timeout)
         try:
@@ -184,10 +183,12 @@ def start_workers(config: DictConfig, namespace: str, evaluation: bool = False) 
     """The worker processes of a fresh group, started (each imports torch and the models' code) with nothing loaded.
     The roles, resources and ranks come from ``config``; the models' paths and LR schedules may still change
     (:func:`load_models` takes the final config). A standby group on the cluster ends first: its resources may be the
-    ones this group needs."""
-    standby.release(PREFIX)
+    ones this group needs (and any that takes them while its bundles wait to be placed)."""
+    release_standby()
+    pool = resource_pool(config)
+    pool.make_room = release_standby
     return WorkerGroup.create(
-        resource_pool(config),
+        pool,
         role_specs(config, evaluation),
         prefix=PREFIX,
         namespace=namespace,
@@ -349,17 +350,10 @@ def kill_worker_group(namespace: str) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- standby groups
-def leaves_standby() -> bool:
-    """Whether a training run that ends (finished, or told to stop) leaves a standby group (infra/standby.py): when it
-    is connected to the Ray of the running ``ppoflow up`` stack (not the embedded cluster, which ends with the command,
-    nor a team's, whose resources a standby group would hold), unless ``PPOFLOW_STANDBY_WORKERS=0``."""
-    if os.environ.get(STANDBY_SWITCH) == "0" or not is_persistent():
-        return False
-    from infra.stack import HOST, Stack
-
-    stack = Stack.load()
-    ray_service = stack.services.get("ray") if stack is not None else None
-    return ray_service is not None and ray.get_runtime_context().gcs_address == f"{HOST}:{ray_service.port}"
+# (left and offered by flows/standby_workers.py; adopted here, where a run gets its workers)
+def release_standby() -> None:
+    """End the cluster's standby groups (infra/standby.py): a group about to start may need their resources."""
+    standby.release(PREFIX)
 
 
 def code_fingerprint() -> str:
@@ -386,41 +380,6 @@ def worker_shape(config: DictConfig) -> str:
         "code": code_fingerprint(),
     }
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def leave_standby(used: WorkerGroup, config: DictConfig) -> str:
-    """End the run's ``used`` group and start a standby group of its shape in its place, each worker importing what the
-    used rank 0 had imported of STANDBY_IMPORTS, while no run waits; returns a line saying what was left. None is left
-    when the cluster has no room for it within STANDBY_ROOM_S (another run holds it), nor when the cluster fails to
-    start it: the run that ended is not failed by what is only a head start for the next."""
-    began = time.perf_counter()
-    try:
-        imports = ray.get(used.actors[0].imported_modules.remote(list(STANDBY_IMPORTS)), timeout=2)
-    except Exception:  # a rank gone or still in a call (a run told to stop): it imports what its constructor does
-        imports = []
-    used.kill()
-    namespace = f"{NAMESPACE_PREFIX}{standby.NAMESPACE_MARK}{uuid.uuid4().hex[:12]}"
-    try:
-        standby.forget(workers_namespace(config))
-        standby.release(PREFIX)  # one at a time
-        group = WorkerGroup.create(
-            resource_pool(config),
-            role_specs(config),
-            PREFIX,
-            namespace,
-            timeout_s=STANDBY_ROOM_S,
-            join=False,  # this command ends now: the workers start on their own, their adopter joins them
-            labels={RUN_LABEL: STANDBY_LABEL},
-            imports=tuple(imports),
-        )
-        standby.register(namespace, worker_shape(config))  # unrecorded, it would be ended as one whose record was lost
-    except Exception as error:
-        return f"no standby workers left ({type(error).__name__}: {error})"
-    seconds = time.perf_counter() - began
-    return (
-        f"left {group.world_size} standby worker(s) in {seconds:.2f} s, importing {len(imports)} modules, for the next "
-        "run of this shape"
-    )
 
 
 def adopt_standby(config: DictConfig, namespace: str) -> WorkerGroup | None:

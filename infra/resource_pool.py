@@ -9,6 +9,7 @@ Each worker's bundle is ``{GPU: 1, CPU: k}`` on a GPU cluster, ``{CPU: k}`` on a
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import ray
@@ -29,6 +30,8 @@ class ResourcePool:
     max_colocate_count: int = 1
     capacity_wait_s: float = 0.0  # how long create() waits for the cluster to have room (nodes joining) before refusing
     placement_groups: list[PlacementGroup] = field(default_factory=list)
+    # called every second while the bundles wait to be placed: frees room that others may give up (standby groups)
+    make_room: Callable[[], object] | None = None
 
     @property
     def world_size(self) -> int:
@@ -72,8 +75,7 @@ class ResourcePool:
                 name=f"{namespace_prefix}-{self.name}-node{node_index}",
                 lifetime="detached" if detached else None,
             )
-            ready, _ = ray.wait([group.ready()], timeout=timeout_s)
-            if not ready:
+            if not self._placed(group, timeout_s):
                 remove_placement_group(group)
                 self.remove()
                 try:  # the cluster has shrunk meanwhile (a node lost): say what it lacks
@@ -86,6 +88,18 @@ class ResourcePool:
                     f"within {timeout_s:.0f}s (are other runs holding the resources?)"
                 )
             self.placement_groups.append(group)
+
+    def _placed(self, group: PlacementGroup, timeout_s: float) -> bool:
+        """Whether ``group`` is placed within ``timeout_s``, :attr:`make_room` called every second meanwhile."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ready, _ = ray.wait([group.ready()], timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+            if ready:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            if self.make_room is not None:
+                self.make_room()
 
     def _note_wait(self, error: InsufficientResourcesError) -> None:
         if self.capacity_wait_s > 0:

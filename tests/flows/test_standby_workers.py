@@ -1,21 +1,23 @@
-"""Standby worker groups (infra/standby.py, flows/workers.py): a run that ends on the stack leaves one, the next run of
-the same shape adopts it, any other group's creation ends it first. The session's Ray head, real workers and models."""
+"""Standby worker groups (infra/standby.py, flows/standby_workers.py, flows/workers.py): a run that ends on the stack
+leaves one, the next run of the same shape adopts it, any other group's creation ends it first. The session's Ray head,
+real workers and models."""
 
 import copy
+import json
 import os
 
 import pytest
 import ray
 import torch
+from omegaconf import OmegaConf
 
 from flows import workers
+from flows.standby_workers import leave_standby, leaves_standby
 from flows.workers import (
     PREFIX,
     build_fresh_workers,
     code_fingerprint,
     kill_worker_group,
-    leave_standby,
-    leaves_standby,
     load_models,
     reattach_workers,
     start_fresh_workers,
@@ -28,10 +30,14 @@ from infra.worker_group import WorkerDiedError
 from rl_core.models.loading import load_tokenizer
 from tests.rl_core.helpers import addition_dataset
 
+SECRET = "sk-" + "a1" * 12  # shaped like an OpenAI key (flows/secrets.py)
+
 
 @pytest.fixture()
-def first(config, tmp_path, ray_address):
-    """A run's config (its own checkpoint folder, so its own namespace); no standby group outlives the test."""
+def first(config, tmp_path, ray_address, monkeypatch):
+    """A run's config (its own checkpoint folder, so its own namespace; the stack's folder in ``tmp_path``); no standby
+    group outlives the test."""
+    monkeypatch.setenv("PPOFLOW_HOME", str(tmp_path / "home"))
     config.trainer.default_local_dir = str(tmp_path / "first")
     config.trainer.cpus_per_worker = 1
     yield config
@@ -64,6 +70,7 @@ def sampled(group, prompts):
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_the_next_run_of_the_same_shape_adopts_the_standby_group_and_finds_it_under_its_folder(first, tmp_path, ranks):
     first.trainer.n_gpus_per_node = ranks  # two: the adopter joins them in a process group of their own
+    first.custom_reward_function.reward_kwargs = {"api_key": SECRET}
     tokenizer = load_tokenizer(first.actor_rollout_ref.model.path)
     prompts = addition_dataset(tmp_path, tokenizer, first.data, count=4).collate([0, 1, 2, 3], "p-")
     prompts.meta_info["global_step"] = 1
@@ -73,6 +80,13 @@ def test_the_next_run_of_the_same_shape_adopts_the_standby_group_and_finds_it_un
     left = leave_standby(used, first)
     assert left.startswith(f"left {ranks} standby worker(s) in ") and standby.has_any(), left
     assert len(standby_namespaces()) == 1
+    # what it was made from, for the stack's launcher to offer again at the stack's next start: the owner's only, no
+    # secret, and a config whose workers have the same shape
+    recipe = tmp_path / "home" / "standby.json"
+    assert recipe.stat().st_mode & 0o777 == 0o600 and SECRET not in recipe.read_text()
+    record = json.loads(recipe.read_text())
+    assert "transformers.models.qwen2.modeling_qwen2" in record["imports"]
+    assert worker_shape(OmegaConf.create(record["config"])) == worker_shape(first)
 
     second = another_run(first, tmp_path / "second")
     assert worker_shape(second) == worker_shape(first)  # other paths and folders, the same workers

@@ -69,6 +69,27 @@ def test_pool_precheck_names_what_is_missing(ray_address):
         ResourcePool("two_nodes", [1, 1]).check_fits()
 
 
+def test_a_pool_waiting_for_room_calls_make_room_until_it_is_placed(ray_address):
+    holder = ResourcePool("holder", [1], cpus_per_worker=8)  # the session head's 8 CPUs, as a standby group holds them
+    holder.create("make-room-test", timeout_s=30)
+    calls = []
+
+    def make_room() -> None:  # gives the room up on the second call, as a standby group ended meanwhile would
+        calls.append(time.monotonic())
+        if len(calls) == 2:
+            holder.remove()
+
+    waiting = ResourcePool("waiting", [1], cpus_per_worker=8, make_room=make_room)
+    began = time.monotonic()
+    try:
+        waiting.create("make-room-test", timeout_s=30)
+        assert len(waiting.placement_groups) == 1 and len(calls) == 2
+        assert 1.5 < time.monotonic() - began < 10  # about a second between calls, placed once the room is free
+    finally:
+        waiting.remove()
+        holder.remove()
+
+
 def test_pool_manager_maps_roles_to_pools():
     manager = ResourcePoolManager(
         [ResourcePool("global_pool", [2]), ResourcePool("reward_pool", [1])],

@@ -5,6 +5,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 
 import httpx
 from mlflow.tracking import MlflowClient
@@ -100,6 +101,19 @@ def test_up_status_train_down(stack_env, tmp_path, demo_cache):
     assert interrupted.returncode == 130, output[-3000:]
     assert "stopped by SIGINT; the run is marked KILLED" in output
     assert "left 1 standby worker(s) in " in output  # for the user's next run, changed or not
+
+    # the stack started again: its launcher offers the standby workers the last run left (what they were made from is
+    # kept in the stack's folder), and the first run after `up` adopts them
+    assert ppoflow(stack_env, "down", timeout=120).returncode == 0
+    assert ppoflow(stack_env, *started.args[3:]).returncode == 0  # `up` on the same ports
+    launcher_log = tmp_path / "home" / "data" / "logs" / "launcher.log"
+    deadline = time.monotonic() + 60
+    while "standby workers offered" not in launcher_log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert "launcher: standby workers offered as the stack's last run left them" in launcher_log.read_text()
+    after_up = ppoflow(stack_env, "train", *overrides, "trainer.experiment_name=after-up", timeout=600, cwd=work)
+    assert after_up.returncode == 0, after_up.stdout[-3000:] + after_up.stderr[-3000:]
+    assert "started as standby workers)" in after_up.stdout + after_up.stderr
 
     stopped = ppoflow(stack_env, "down", timeout=120)
     assert stopped.returncode == 0 and "stopped prefect, mlflow, ray, launcher" in stopped.stdout

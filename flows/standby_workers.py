@@ -1,0 +1,131 @@
+"""Standby worker groups on the ``ppoflow up`` stack: a run that ends leaves one, the stack's launcher offers one again.
+
+A training run on the stack that finishes (or is told to stop) ends its worker group and starts, in its place, a
+standby group of the same shape whose workers import what the used ones had imported (infra/standby.py), while no run
+waits; the next run of that shape adopts it (:func:`flows.workers.adopt_standby`). What it was made from is kept in
+the stack's folder (:func:`standby_recipe`), so that the launcher offers the same group when the stack starts again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+
+import ray
+from omegaconf import DictConfig, OmegaConf
+
+from flows.workers import (
+    NAMESPACE_PREFIX,
+    PREFIX,
+    RUN_LABEL,
+    STANDBY_LABEL,
+    release_standby,
+    resource_pool,
+    role_specs,
+    worker_shape,
+    workers_namespace,
+)
+from infra import standby
+from infra.cluster import is_persistent
+from infra.worker_group import WorkerGroup
+
+STANDBY_SWITCH = "PPOFLOW_STANDBY_WORKERS"  # "0": a run on the stack leaves no standby group
+# what a standby worker imports of what a used one had: libraries and the project's worker code, never a user's own
+# module (it may change before the run that adopts the worker)
+STANDBY_IMPORTS = ("torch", "transformers", "peft", "safetensors", "tokenizers", "rl_core", "infra")
+STANDBY_ROOM_S = 10.0  # how long a run ending waits for room for a standby group (another run may hold it)
+
+
+def leaves_standby() -> bool:
+    """Whether a training run that ends (finished, or told to stop) leaves a standby group (infra/standby.py): when it
+    is connected to the Ray of the running ``ppoflow up`` stack (not the embedded cluster, which ends with the command,
+    nor a team's, whose resources a standby group would hold), unless ``PPOFLOW_STANDBY_WORKERS=0``."""
+    if os.environ.get(STANDBY_SWITCH) == "0" or not is_persistent():
+        return False
+    from infra.stack import HOST, Stack
+
+    stack = Stack.load()
+    ray_service = stack.services.get("ray") if stack is not None else None
+    return ray_service is not None and ray.get_runtime_context().gcs_address == f"{HOST}:{ray_service.port}"
+
+
+def leave_standby(used: WorkerGroup, config: DictConfig) -> str:
+    """End the run's ``used`` group and offer a standby group of its shape in its place (:func:`offer_standby`), its
+    workers importing what the used rank 0 had imported of STANDBY_IMPORTS; the stack's next start offers the same
+    (:func:`offer_recorded_standby`). Returns a line saying what was left."""
+    began = time.perf_counter()
+    try:
+        imports = ray.get(used.actors[0].imported_modules.remote(list(STANDBY_IMPORTS)), timeout=2)
+    except Exception:  # a rank gone or still in a call (a run told to stop): it imports what its constructor does
+        imports = []
+    used.kill()
+    standby.forget(workers_namespace(config))
+    left = offer_standby(config, imports)
+    if left is not None:
+        return f"no standby workers left ({left})"
+    from flows.secrets import redacted
+
+    # the standby workers need no secret (the adopting run gives its own config): none is written down
+    recipe, staging = standby_recipe(), standby_recipe().with_suffix(".tmp")
+    recipe.parent.mkdir(parents=True, exist_ok=True)
+    with os.fdopen(os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as handle:
+        json.dump({"config": OmegaConf.to_yaml(redacted(config)), "imports": imports}, handle)
+    os.replace(staging, recipe)
+    return (
+        f"left {resource_pool(config).world_size} standby worker(s) in {time.perf_counter() - began:.2f} s, importing "
+        f"{len(imports)} modules, for the next run of this shape"
+    )
+
+
+def offer_standby(config: DictConfig, imports: list[str]) -> str | None:
+    """Start a standby group of ``config``'s worker shape, each worker importing ``imports``, while no run waits, and
+    offer it (infra/standby.py); an earlier one ends first. None when it is offered, else why not: no room within
+    STANDBY_ROOM_S (another run holds it), or the cluster failed to start it; a run that ended is not failed by what is
+    only a head start for the next."""
+    namespace = f"{NAMESPACE_PREFIX}{standby.NAMESPACE_MARK}{uuid.uuid4().hex[:12]}"
+    try:
+        release_standby()  # one at a time
+        WorkerGroup.create(
+            resource_pool(config),
+            role_specs(config),
+            PREFIX,
+            namespace,
+            timeout_s=STANDBY_ROOM_S,
+            join=False,  # the command ends now: the workers start on their own, their adopter joins them
+            labels={RUN_LABEL: STANDBY_LABEL},
+            imports=tuple(imports),
+        )
+        standby.register(namespace, worker_shape(config))  # unrecorded, it would be ended as one whose record was lost
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def standby_recipe() -> Path:
+    """What the stack's last standby group was made from (a run's config and its workers' imports), in its folder."""
+    from infra.stack import stack_home
+
+    return stack_home() / "standby.json"
+
+
+def offer_recorded_standby() -> str:
+    """Offer the standby group the stack's last run left (:func:`standby_recipe`) on the stack's Ray: what its launcher
+    does as it starts (flows/launcher.py), so that the first run after ``ppoflow up`` (or after the launcher restarted
+    with changed code) finds one too. Returns a line saying what happened."""
+    from infra.cluster import connect
+    from infra.stack import HOST, Stack
+
+    try:
+        record = json.loads(standby_recipe().read_text())
+    except (OSError, ValueError):
+        return "no standby workers: no run has left any on this stack"
+    stack = Stack.load()
+    if stack is None or "ray" not in stack.services or os.environ.get(STANDBY_SWITCH) == "0":
+        return "no standby workers: no stack's Ray, or PPOFLOW_STANDBY_WORKERS=0"
+    connect(f"{HOST}:{stack.services['ray'].port}")
+    config = OmegaConf.create(record["config"])
+    why_not = offer_standby(config, record["imports"])
+    return f"no standby workers ({why_not})" if why_not else "standby workers offered as the stack's last run left them"
