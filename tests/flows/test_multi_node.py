@@ -11,7 +11,9 @@ import sys
 import time
 
 import pytest
+import ray
 from mlflow.tracking import MlflowClient
+from ray.experimental.internal_kv import _initialize_internal_kv
 
 from infra.ray_settings import INLINE_OBJECTS_ENV, LOCAL_CLUSTER_ENV, LOOPBACK_ENV
 from tests.conftest import ROOT
@@ -46,6 +48,9 @@ def cluster(ray_address):
                 os.environ[key] = value
     yield nodes
     nodes.shutdown()
+    # the harness also resets this process's key-value store client, which the session's driver (still connected to
+    # its own head) uses: the standby groups' records (infra/standby.py)
+    _initialize_internal_kv(ray._private.worker.global_worker.gcs_client)
 
 
 def train_on(address: str, overrides: list[str]) -> dict:
