@@ -13,6 +13,9 @@ One flow run = one training run, read top to bottom in :func:`run_training`:
 from __future__ import annotations
 
 import json
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from omegaconf import DictConfig
@@ -45,17 +48,44 @@ def run_training(config: DictConfig, tags: dict[str, str] | None = None) -> dict
         session.validate_before_training()
 
         # 3. The loop.
-        while session.progress.global_step < session.total_steps:
-            step = session.progress.global_step + 1
-            with session.step(step):  # a dead worker: the group is rebuilt and the loop rewinds to the checkpoint
-                batch, metrics = session.ppo_step(step)  # run_ppo_step; each stage reported as a Prefect task run
-                if every(step, config.trainer.test_freq, session.total_steps):
-                    metrics.update(session.validate())
-                session.record(step, batch, metrics)
+        with one_torch_thread():
+            while session.progress.global_step < session.total_steps:
+                step = session.progress.global_step + 1
+                with session.step(step):  # a dead worker: the group is rebuilt and the loop rewinds to the checkpoint
+                    batch, metrics = session.ppo_step(step)  # run_ppo_step; each stage a Prefect task run
+                    if every(step, config.trainer.test_freq, session.total_steps):
+                        metrics.update(session.validate())
+                    session.record(step, batch, metrics)
 
         # 4. The final policy.
         session.finish()
         return session.result()
+
+
+_LOOPS = {"running": 0, "threads": 0}  # the training loops in this process (a sweep runs several), torch's threads
+_LOOPS_LOCK = threading.Lock()
+
+
+@contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """The controller's own maths during the loop (the reward, the advantage, the metrics) are on tensors of a few
+    thousand numbers: torch runs them on one thread while any loop of this process runs. With one per core, each op
+    large enough to run in parallel leaves the other thread spinning, on the cores the workers train on (measured on
+    2 cores: ~11 ms of CPU per step of a small run; bench/README.md). The count is restored after the last loop."""
+    import torch
+
+    with _LOOPS_LOCK:
+        if _LOOPS["running"] == 0:
+            _LOOPS["threads"] = torch.get_num_threads()
+            torch.set_num_threads(1)
+        _LOOPS["running"] += 1
+    try:
+        yield
+    finally:
+        with _LOOPS_LOCK:
+            _LOOPS["running"] -= 1
+            if _LOOPS["running"] == 0:
+                torch.set_num_threads(_LOOPS["threads"])
 
 
 def load_inputs(config: DictConfig) -> TrainingInputs:
