@@ -47,6 +47,10 @@ from rl_core import ppo_step
 from rl_core.batch import Batch
 
 RETRY_DELAY_S = 1.0  # between a failed attempt of an idempotent stage and its retry
+# A task run's Running state is sent once it has run this long; one that completes sooner is sent once, Completed,
+# with its start time (half the events of a small run's steps: each event costs the controller and Prefect's server
+# CPU the workers need, bench/README.md). Its Running state is then missing from its state history only.
+HOLD_RUNNING_S = 1.0
 TASK_RUNS = {"started": 0}  # the task runs this process reported (its Prefect server records as many)
 LOG = logging.getLogger("ppoflow")
 
@@ -92,21 +96,46 @@ class TaskRunReporter(threading.Thread):
         return not self.changes.unfinished_tasks
 
     def run(self) -> None:
+        held: dict[UUID, tuple] = {}  # run id -> its Running change, not sent yet (HOLD_RUNNING_S)
         while True:
-            run, state_name, when, message = self.changes.get()
+            first = min((when for _, _, when, _ in held.values()), default=None)  # the first held one is due first
+            wait = None if first is None else (first - datetime.now(timezone.utc)).total_seconds() + HOLD_RUNNING_S
             try:
-                message = message() if callable(message) else message
-                run.context.run(self.emit, run, state_name, when, message)
-            except Exception as error:  # reporting never fails a run; said once
-                if not self.warned:
-                    LOG.warning("could not report task run %s to Prefect: %s", run.run_name, error)
-                    self.warned = True
-            finally:
-                self.changes.task_done()
+                change = self.changes.get(timeout=None if wait is None else max(0.0, wait))
+            except queue.Empty:
+                change = None
+            now = datetime.now(timezone.utc)
+            for run_id, running in list(held.items()):  # still running after HOLD_RUNNING_S: the UI shows it now
+                if (now - running[2]).total_seconds() >= HOLD_RUNNING_S:
+                    self.send(held.pop(run_id))
+            if change is None:
+                continue
+            run, state_name = change[0], change[1]
+            if state_name == "Running":
+                held[run.id] = change
+                continue
+            running = held.pop(run.id, None)
+            if running is not None:  # a run that completes within HOLD_RUNNING_S is reported once, when it ends
+                self.send(running, emit=state_name != "Completed")
+            self.send(change)
+
+    def send(self, change: tuple, emit: bool = True) -> None:
+        """Record one queued state change on its run and, with ``emit``, send its event; never raises."""
+        run, state_name, when, message = change
+        try:
+            message = message() if callable(message) else message
+            run.context.run(self.emit, run, state_name, when, message, emit)
+        except Exception as error:  # reporting never fails a run; said once
+            if not self.warned:
+                LOG.warning("could not report task run %s to Prefect: %s", run.run_name, error)
+                self.warned = True
+        finally:
+            self.changes.task_done()
 
     @staticmethod
-    def emit(run: ReportedRun, state_name: str, when: datetime, message: str | None) -> None:
-        """What Prefect's task engine does on a state change (``TaskRunEngine.set_state``), at ``when``."""
+    def emit(run: ReportedRun, state_name: str, when: datetime, message: str | None, send: bool = True) -> None:
+        """What Prefect's task engine does on a state change (``TaskRunEngine.set_state``), at ``when``; without
+        ``send`` the run's record changes (its start time, run count) and no event is sent."""
         from prefect.utilities.engine import emit_task_run_state_change_event
 
         state = make_state(state_name, when, message)
@@ -140,9 +169,10 @@ class TaskRunReporter(threading.Thread):
             task_run.start_time = task_run.start_time or state.timestamp
         if state.is_final():
             task_run.end_time = state.timestamp
-        run.last_event = emit_task_run_state_change_event(
-            task_run=task_run, initial_state=last, validated_state=state, follows=run.last_event
-        )
+        if send:
+            run.last_event = emit_task_run_state_change_event(
+                task_run=task_run, initial_state=last, validated_state=state, follows=run.last_event
+            )
         run.last_state = state
 
 

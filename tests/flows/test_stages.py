@@ -12,6 +12,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.client.schemas.sorting import TaskRunSort
 
+from flows import stages
 from flows.stages import StageRunner, flush_reported_runs, produced, retryable, run_phase
 from infra.worker_group import WorkerDiedError, WorkerTimeoutError
 from rl_core.batch import Batch
@@ -53,7 +54,7 @@ def probe() -> str:
     from prefect import runtime
 
     run_stage = StageRunner(retries=2, retry_safe=("generate", "values"))
-    run_phase("set-up", lambda: None)
+    run_phase("set-up", time.sleep, 0.4)  # longer than HOLD_RUNNING_S (0.2 in the test): Running sent while it runs
     run_stage.step = 3
     batch, metrics = run_stage("generate", generate, "workers", "prompts")
     old = run_stage("old_log_prob", old_log_prob, "workers", batch)
@@ -87,7 +88,8 @@ def read_task_runs(flow_run_id: str, count: int, timeout_s: float = 60.0) -> dic
             time.sleep(0.25)
 
 
-def test_stages_read_back_from_prefect_as_task_runs(prefect_api):
+def test_stages_read_back_from_prefect_as_task_runs(prefect_api, monkeypatch):
+    monkeypatch.setattr(stages, "HOLD_RUNNING_S", 0.2)
     flow_run_id = probe()
     runs = read_task_runs(flow_run_id, EXPECTED_RUNS)
     assert set(runs) == {
@@ -98,8 +100,11 @@ def test_stages_read_back_from_prefect_as_task_runs(prefect_api):
         "step-3/values",
         "step-3/update_actor",
     }
+    setup_run, setup_states = runs["set-up"]
+    assert [s.name for s in setup_states] == ["Running", "Completed"]
+    # a stage that ends within HOLD_RUNNING_S is sent once, when it ends, with its start time and duration
     generate_run, generate_states = runs["step-3/generate"]
-    assert [s.name for s in generate_states] == ["Running", "Completed"]
+    assert [s.name for s in generate_states] == ["Completed"] and generate_run.run_count == 1
     # the task run's page says what the stage produced (its Completed state's message)
     assert generate_states[-1].message == "a batch of 2 rows: responses, uid; gen=1"
     assert generate_run.total_run_time.total_seconds() >= 0.05 and generate_run.end_time > generate_run.start_time
