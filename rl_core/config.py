@@ -148,8 +148,9 @@ class ActorConfig:
     ppo_epochs: int = 1
     shuffle: bool = False
     # false: skip the old-log-prob pass and use the update's own forward pass, detached, as the old log-probs. Only
-    # with one epoch and one mini-batch per step (the policy has not moved yet, so both are the same numbers).
-    recompute_old_log_prob: bool = True
+    # with one epoch and one mini-batch per step (the policy has not moved yet, so both are the same numbers). null:
+    # skipped wherever that holds and nothing needs them before the update (recomputes_old_log_prob)
+    recompute_old_log_prob: bool | None = None
     clip_ratio: float = 0.2
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
@@ -549,10 +550,24 @@ def use_critic(config: Any) -> bool:
 
 
 def recomputes_old_log_prob(config: Any) -> bool:
-    """Whether a step runs the old-log-prob pass: not when the update's own forward pass gives them
-    (``actor.recompute_old_log_prob=false``) nor in rollout correction's bypass mode (the rollout's are used)."""
-    return bool(config.actor_rollout_ref.actor.recompute_old_log_prob) and not (
-        config.algorithm.rollout_correction.bypass_mode
+    """Whether a step runs the old-log-prob pass: not in rollout correction's bypass mode (the rollout's are used),
+    nor with ``actor.recompute_old_log_prob=false`` (the update's own forward pass gives them); when it is null
+    (the default), only where the update's pass would not give the same numbers or they are needed before it: more
+    than one epoch or mini-batch, the KL penalty in the reward, rollout correction's decoupled mode, or a critic
+    warm-up (steps without an update)."""
+    actor, algorithm = config.actor_rollout_ref.actor, config.algorithm
+    if algorithm.rollout_correction.bypass_mode:
+        return False
+    if actor.recompute_old_log_prob is not None:
+        return bool(actor.recompute_old_log_prob)
+    from rl_core.correction_settings import RolloutCorrection
+
+    return bool(
+        actor.ppo_epochs != 1
+        or actor.ppo_mini_batch_size != config.data.train_batch_size
+        or algorithm.use_kl_in_reward
+        or RolloutCorrection.from_config(algorithm.rollout_correction).corrects
+        or config.trainer.critic_warmup > 0
     )
 
 

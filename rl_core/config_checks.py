@@ -180,7 +180,7 @@ def check_training(config: Any) -> None:
             "algorithm.filter_groups.enable=true with algorithm.use_kl_in_reward=true: groups are filtered before the "
             "log-probs that the KL penalty needs exist; use actor_rollout_ref.actor.use_kl_loss instead"
         )
-    if not actor.recompute_old_log_prob and (
+    if actor.recompute_old_log_prob is False and (
         actor.ppo_epochs != 1
         or actor.ppo_mini_batch_size != config.data.train_batch_size
         or config.algorithm.use_kl_in_reward

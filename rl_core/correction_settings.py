@@ -126,7 +126,8 @@ def check_rollout_correction(config: Any) -> None:
         raise ConfigValueError(
             f"{key} needs the rollout's own log-probs: set actor_rollout_ref.rollout.calculate_log_probs=true"
         )
-    if settings.corrects and not settings.bypass_mode and not config.actor_rollout_ref.actor.recompute_old_log_prob:
+    skips_old_pass = config.actor_rollout_ref.actor.recompute_old_log_prob is False
+    if settings.corrects and not settings.bypass_mode and skips_old_pass:
         raise ConfigValueError(
             f"{key} in the decoupled mode weighs the samples by pi_old / pi_rollout, and "
             "actor_rollout_ref.actor.recompute_old_log_prob=false computes no pi_old: set it to true, or "

@@ -95,15 +95,26 @@ def multi_turn_metrics(num_turns: list[int], trajectories: list[dict]) -> dict[s
     return metrics
 
 
-def rollout_probs_diff_metrics(
+def rollout_probs_diff_sums(
     rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor, response_mask: torch.Tensor
-) -> dict[str, float]:
-    """verl's check that the samples come from the policy that is trained: over response tokens, |p_rollout - p_old| of
-    each sampled token (probabilities, from the sampler's log-probs and the recomputed old ones) as
-    ``training/rollout_probs_diff_{max,mean,std}``, their Pearson correlation, and ``..._valid`` (0 when there is no
-    response token)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What :func:`rollout_probs_diff_from_sums` needs of some response tokens, as sums that add over micro-batches
+    and ranks: (float64 ``[n, sum d, sum d^2, sum x, sum y, sum x^2, sum y^2, sum xy]``, the largest ``d``) over the
+    tokens of ``response_mask``, with ``x`` = p_old and ``y`` = p_rollout of each sampled token, ``d = |x - y|``."""
     mask = response_mask.bool()
-    if not mask.any():
+    x, y = old_log_probs.double().exp()[mask], rollout_log_probs.double().exp()[mask]
+    d = (x - y).abs()
+    n = d.new_tensor(float(d.numel()))
+    sums = torch.stack([n, d.sum(), (d * d).sum(), x.sum(), y.sum(), (x * x).sum(), (y * y).sum(), (x * y).sum()])
+    return sums, d.max() if d.numel() else d.new_tensor(0.0)
+
+
+def rollout_probs_diff_from_sums(sums: torch.Tensor, max_diff: float) -> dict[str, float]:
+    """verl's check that the samples come from the policy that is trained, from :func:`rollout_probs_diff_sums`:
+    ``training/rollout_probs_diff_{max,mean,std}`` of ``d`` (std unbiased), the Pearson correlation of p_old and
+    p_rollout, and ``..._valid`` (0, the others NaN, when there is no response token)."""
+    n, sum_d, sum_dd, sum_x, sum_y, sum_xx, sum_yy, sum_xy = sums.double().unbind()
+    if n == 0:
         nan = float("nan")
         return {
             "training/rollout_probs_diff_valid": 0.0,
@@ -112,20 +123,24 @@ def rollout_probs_diff_metrics(
             "training/rollout_probs_diff_std": nan,
             "training/rollout_actor_probs_pearson_corr": nan,
         }
-    rollout_probs, old_probs = rollout_log_probs.float().exp()[mask], old_log_probs.float().exp()[mask]
-    diff = (rollout_probs - old_probs).abs()
-    correlation = (
-        torch.corrcoef(torch.stack([old_probs, rollout_probs]))[0, 1]
-        if diff.numel() > 1
-        else torch.tensor(float("nan"))
-    )
+    mean = sum_d / n
+    variance = (sum_dd - n * mean * mean) / (n - 1) if n > 1 else torch.zeros((), dtype=torch.float64)
+    covariance = n * sum_xy - sum_x * sum_y
+    spread = torch.sqrt((n * sum_xx - sum_x * sum_x).clamp(min=0) * (n * sum_yy - sum_y * sum_y).clamp(min=0))
     return {
         "training/rollout_probs_diff_valid": 1.0,
-        "training/rollout_probs_diff_max": diff.max().item(),
-        "training/rollout_probs_diff_mean": diff.mean().item(),
-        "training/rollout_probs_diff_std": diff.std().item() if diff.numel() > 1 else 0.0,
-        "training/rollout_actor_probs_pearson_corr": correlation.item(),
+        "training/rollout_probs_diff_max": float(max_diff),
+        "training/rollout_probs_diff_mean": mean.item(),
+        "training/rollout_probs_diff_std": variance.clamp(min=0).sqrt().item(),
+        "training/rollout_actor_probs_pearson_corr": (covariance / spread).item() if n > 1 else float("nan"),
     }
+
+
+def rollout_probs_diff_metrics(
+    rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor, response_mask: torch.Tensor
+) -> dict[str, float]:
+    """:func:`rollout_probs_diff_from_sums` of one batch's response tokens."""
+    return rollout_probs_diff_from_sums(*rollout_probs_diff_sums(rollout_log_probs, old_log_probs, response_mask))
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -69,7 +69,7 @@ from rl_core.weight_sync import (
     load_tensors,
     trained_tensors,
 )
-from rl_core.workers.data_parallel import global_sum, world_size
+from rl_core.workers.data_parallel import world_size
 from rl_core.workers.dispatch import DP_COMPUTE, ONE_TO_ALL, dispatch
 from rl_core.workers.fsdp import (
     full_model_state_dict,
@@ -79,7 +79,7 @@ from rl_core.workers.fsdp import (
     shard_module,
 )
 from rl_core.workers.micro_batches import in_micro_batches, micro_batch_limits
-from rl_core.workers.policy_loss_call import LossConfig, micro_policy_loss, reads_global_batch_info
+from rl_core.workers.policy_loss_call import LossConfig, OldPassMetrics, micro_policy_loss, reads_global_batch_info
 from rl_core.workers.train_loop import local_mini_batch_size, run_updates
 from rl_core.workers.trainable_state import load_model_weights, load_trainable, save_trainable
 
@@ -249,17 +249,16 @@ class ActorRolloutRefWorker:
         use_kl_loss = bool(actor.use_kl_loss)
         bypass = batch.meta_info.get(ROLLOUT_CORRECTION)  # the rollout's log-probs are the old ones
         temperature = batch.meta_info.get(TEMPERATURE, 1.0)
-        entropy_sums = torch.zeros(2, dtype=torch.float64)  # (sum of entropy over valid tokens, valid tokens)
+        own_pass = OldPassMetrics() if OLD_LOG_PROBS not in batch.tensors else None  # the step skipped that pass
         started = time.perf_counter()
 
         def micro_loss(micro: Batch, info: dict[str, float], share: float) -> tuple[torch.Tensor, dict[str, float]]:
             mask = micro.tensors[RESPONSE_MASK]
-            no_old_pass = OLD_LOG_PROBS not in micro.tensors
             log_prob, entropy = self._micro_log_probs(
-                self.module, micro, temperature, calculate_entropy=entropy_coeff != 0 or no_old_pass
+                self.module, micro, temperature, calculate_entropy=entropy_coeff != 0 or own_pass is not None
             )
-            if no_old_pass:  # the entropy metric that compute_log_prob would have reported
-                entropy_sums.add_(torch.stack([(entropy.detach() * mask).sum(), mask.sum()]).double().cpu())
+            if own_pass is not None:
+                own_pass.add(micro, log_prob, entropy, bypass)
             pg_loss, metrics = micro_policy_loss(
                 micro, log_prob, loss_fn, LossConfig(actor, info), loss_agg_mode, bypass
             )
@@ -296,9 +295,8 @@ class ActorRolloutRefWorker:
             )
         if use_kl_loss:
             metrics["actor/kl_coef"] = float(actor.kl_loss_coef)
-        if OLD_LOG_PROBS not in batch.tensors:  # over every rank's tokens
-            entropy_sum, tokens = global_sum(entropy_sums[0]), global_sum(entropy_sums[1])
-            metrics["actor/entropy"] = float(entropy_sum / tokens.clamp(min=1))
+        if own_pass is not None:
+            metrics.update(own_pass.metrics())
         metrics.update(
             update_mfu(
                 "actor",

@@ -33,10 +33,10 @@ def any_rank(flag: bool) -> bool:
     return bool(global_sum(float(flag)) > 0) if world_size() > 1 else flag
 
 
-def global_max(value: int) -> int:
-    """The largest ``value`` over all data-parallel ranks (every rank must call it)."""
+def global_max(value: float) -> float:
+    """The largest ``value`` over all data-parallel ranks, of its type (every rank must call it)."""
     if world_size() == 1:
         return value
-    largest = torch.tensor(value, dtype=torch.int64, device=collective_device())
+    largest = torch.tensor(value, dtype=torch.float64, device=collective_device())
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-    return int(largest.item())
+    return type(value)(largest.item())

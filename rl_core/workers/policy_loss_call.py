@@ -14,6 +14,8 @@ from rl_core.algos.rollout_correction import rollout_correction
 from rl_core.batch import Batch
 from rl_core.batch_fields import ADVANTAGES, OLD_LOG_PROBS, RESPONSE_MASK, ROLLOUT_IS_WEIGHTS, ROLLOUT_LOG_PROBS
 from rl_core.config_access import config_get
+from rl_core.metrics import rollout_probs_diff_from_sums, rollout_probs_diff_sums
+from rl_core.workers.data_parallel import global_max, global_sum
 
 
 class LossConfig:
@@ -89,3 +91,30 @@ def micro_policy_loss(
         rollout_is_weights=weights,
     )
     return pg_loss, metrics | correction_metrics
+
+
+class OldPassMetrics:
+    """The metrics of the old-log-prob pass (``actor/entropy``; with the rollout's log-probs verl's
+    ``training/rollout_probs_diff_*``) from the update's own forward pass, for a step that skipped that pass (one
+    epoch, one mini-batch: the update's log-probs before its first optimizer step are the old ones). :meth:`add` each
+    micro-batch; :meth:`metrics` reduces over the ranks (every rank must call it)."""
+
+    def __init__(self) -> None:
+        self.entropy = torch.zeros(2, dtype=torch.float64)  # (sum of entropy over valid tokens, valid tokens)
+        self.diff = torch.zeros(8, dtype=torch.float64)  # rl_core.metrics.rollout_probs_diff_sums
+        self.diff_max, self.with_rollout = 0.0, False
+
+    def add(self, micro: Batch, log_prob: torch.Tensor, entropy: torch.Tensor, bypass: Any) -> None:
+        mask = micro.tensors[RESPONSE_MASK]
+        self.entropy.add_(torch.stack([(entropy.detach() * mask).sum(), mask.sum()]).double().cpu())
+        if ROLLOUT_LOG_PROBS in micro.tensors and bypass is None:
+            sums, largest = rollout_probs_diff_sums(micro.tensors[ROLLOUT_LOG_PROBS], log_prob.detach(), mask)
+            self.diff.add_(sums.cpu())
+            self.diff_max, self.with_rollout = max(self.diff_max, float(largest)), True
+
+    def metrics(self) -> dict[str, float]:
+        entropy_sum, tokens = global_sum(self.entropy[0]), global_sum(self.entropy[1])
+        metrics = {"actor/entropy": float(entropy_sum / tokens.clamp(min=1))}
+        if self.with_rollout:
+            metrics |= rollout_probs_diff_from_sums(global_sum(self.diff), global_max(self.diff_max))
+        return metrics

@@ -8,7 +8,7 @@ import pytest
 from omegaconf import DictConfig, OmegaConf
 
 from flows.config import ConfigError, absolute_paths, compose_config
-from rl_core.config import default_config
+from rl_core.config import default_config, recomputes_old_log_prob
 from rl_core.config_checks import CHOICES, check_config
 from rl_core.models.optim import build_optimizer
 from tests.conftest import ROOT
@@ -173,6 +173,29 @@ def test_skipping_the_old_log_prob_pass_needs_one_epoch_and_one_mini_batch():
     ):
         with pytest.raises(ConfigError, match="recompute_old_log_prob=false needs ppo_epochs=1"):
             compose_config([*base, extra])
+
+
+def test_the_old_log_prob_pass_runs_by_default_only_where_the_update_would_not_give_the_same_numbers():
+    """null (the default): skipped with one epoch and one mini-batch; run where the update's own pass would come
+    after a first optimizer step or the old log-probs are needed before it; an explicit value wins."""
+    one_update = ["data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=16"]
+    assert compose_config(one_update).actor_rollout_ref.actor.recompute_old_log_prob is None
+    assert not recomputes_old_log_prob(compose_config(one_update))
+    for extra in (
+        ["actor_rollout_ref.actor.ppo_epochs=2"],
+        ["actor_rollout_ref.actor.ppo_mini_batch_size=8"],
+        ["algorithm.use_kl_in_reward=true"],
+        ["algorithm.rollout_correction.rollout_is=token", "actor_rollout_ref.rollout.calculate_log_probs=true"],
+        ["trainer.critic_warmup=1"],
+        ["actor_rollout_ref.actor.recompute_old_log_prob=true"],
+    ):
+        assert recomputes_old_log_prob(compose_config([*one_update, *extra])), extra
+    bypass = [
+        *one_update,
+        "algorithm.rollout_correction.bypass_mode=true",
+        "actor_rollout_ref.rollout.calculate_log_probs=true",
+    ]
+    assert not recomputes_old_log_prob(compose_config([*bypass, "actor_rollout_ref.actor.recompute_old_log_prob=true"]))
 
 
 def test_paths_are_made_absolute_against_the_working_folder(tmp_path, monkeypatch):

@@ -3,11 +3,18 @@
 import itertools
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from rl_core.batch import Batch
-from rl_core.metrics import pass_at_k, validation_metrics
+from rl_core.metrics import (
+    pass_at_k,
+    rollout_probs_diff_from_sums,
+    rollout_probs_diff_metrics,
+    rollout_probs_diff_sums,
+    validation_metrics,
+)
 from rl_core.ppo_step import balanced_order, informative_groups
 
 
@@ -28,6 +35,34 @@ def test_validation_metrics_per_data_source():
     assert metrics["val-core/a/acc/pass@2"] == 0.5 and metrics["val-core/b/acc/pass@2"] == 1.0
     assert metrics["val-aux/a/acc/pass@1"] == pytest.approx(0.25)
     assert validation_metrics(["a"], ["p"], [1.0], n=1) == {"val-core/a/acc/mean@1": 1.0}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_rollout_probs_diff_from_sums_over_parts_is_the_whole_batchs(seed):
+    """The sums add over micro-batches (and ranks): the metrics of the parts' sums are those of the whole batch,
+    written out directly (each token's |p_old - p_rollout|, their unbiased std, numpy's Pearson correlation)."""
+    generator = torch.Generator().manual_seed(seed)
+    old = -torch.rand(6, 5, generator=generator) * 3
+    rollout = (old + 0.4 * torch.randn(6, 5, generator=generator)).clamp(max=0.0)
+    mask = (torch.rand(6, 5, generator=generator) > 0.3).float()
+    x = [math.exp(o) for o, m in zip(old.flatten().tolist(), mask.flatten().tolist()) if m]
+    y = [math.exp(r) for r, m in zip(rollout.flatten().tolist(), mask.flatten().tolist()) if m]
+    d = [abs(a - b) for a, b in zip(x, y)]
+    mean = sum(d) / len(d)
+    parts = [rollout_probs_diff_sums(rollout[rows], old[rows], mask[rows]) for rows in (slice(0, 2), slice(2, 6))]
+    metrics = rollout_probs_diff_from_sums(sum(p[0] for p in parts), max(float(p[1]) for p in parts))
+    assert metrics == pytest.approx(rollout_probs_diff_metrics(rollout, old, mask), rel=1e-9)
+    assert metrics["training/rollout_probs_diff_max"] == pytest.approx(max(d), rel=1e-6)
+    assert metrics["training/rollout_probs_diff_mean"] == pytest.approx(mean, rel=1e-6)
+    assert metrics["training/rollout_probs_diff_std"] == pytest.approx(
+        math.sqrt(sum((v - mean) ** 2 for v in d) / (len(d) - 1)), rel=1e-6
+    )
+    assert metrics["training/rollout_actor_probs_pearson_corr"] == pytest.approx(
+        float(np.corrcoef(x, y)[0, 1]), rel=1e-6
+    )
+    nothing = rollout_probs_diff_metrics(rollout, old, torch.zeros_like(mask))
+    assert nothing["training/rollout_probs_diff_valid"] == 0.0
+    assert math.isnan(nothing["training/rollout_probs_diff_max"])
 
 
 def test_informative_groups_drop_groups_with_one_score():

@@ -15,6 +15,7 @@ from rl_core.algos.kl import get_kl_controller
 from rl_core.algos.masked import masked_mean
 from rl_core.batch import Batch
 from rl_core.data.sampler import ResumableSampler
+from rl_core.metrics import rollout_probs_diff_metrics
 from rl_core.models.loading import load_tokenizer
 from rl_core.models.logprob import response_log_probs
 from rl_core.ppo_step import StepWorkers, run_ppo_step, run_validation, use_critic, use_reference
@@ -384,12 +385,17 @@ def test_lora_checkpoint_holds_only_the_adapter_and_restores_it(tmp_path, config
 
 def test_reusing_the_updates_log_probs_as_old_gives_the_same_update(tmp_path, config):
     """One epoch, one mini-batch: old log-probs from a separate pass or from the update's own forward, detached, are
-    the same numbers, so the update is the same (one forward pass less)."""
+    the same numbers, so the update is the same (one forward pass less), and so are the pass's metrics (the entropy,
+    the sampler's probabilities against the policy's)."""
     config.actor_rollout_ref.actor.ppo_mini_batch_size = config.data.train_batch_size
     # clipping would show a difference
     config.actor_rollout_ref.actor.clip_ratio_low = config.actor_rollout_ref.actor.clip_ratio_high = 1e-3
     reference, _ = build_workers(config, with_critic=False)
     batch = fixed_batch(reference, tmp_path, config)
+    mask = batch.tensors["response_mask"]
+    noise = 0.3 * torch.randn(mask.shape, generator=torch.Generator().manual_seed(1))
+    batch.tensors["rollout_log_probs"] = (batch.tensors["old_log_probs"] + noise).clamp(max=0.0) * mask  # a sampler's
+    probs_diff = rollout_probs_diff_metrics(batch.tensors["rollout_log_probs"], batch.tensors["old_log_probs"], mask)
     start = copy.deepcopy(reference.module.state_dict())
     entropy = float(masked_mean(reference.compute_log_prob(batch).tensors["entropys"], batch.tensors["response_mask"]))
     recomputed = reference.update_actor(batch)
@@ -401,6 +407,10 @@ def test_reusing_the_updates_log_probs_as_old_gives_the_same_update(tmp_path, co
     for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/kl_loss", "actor/grad_norm"):
         assert reused[key] == pytest.approx(recomputed[key], abs=1e-6), key
     assert reused["actor/entropy"] == pytest.approx(entropy, rel=1e-5)
+    # the old-log-prob stage's check of the sampler, from the update's own pass
+    assert probs_diff["training/rollout_probs_diff_mean"] > 1e-4
+    for key, value in probs_diff.items():
+        assert reused[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
     assert_same_adam_step(
         reusing.module.state_dict(), reference.module.state_dict(), config.actor_rollout_ref.actor.optim.lr
     )
