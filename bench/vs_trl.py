@@ -79,10 +79,10 @@ def greedy_accuracy(model_dir: str, val_file: str) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- the runs
-# ppoflow's settings besides the workload's sizes (--settings): the demo profile's; verl's defaults (what a user's own
-# model gets: micro-batches, gradient checkpointing, the old-log-prob pass, rollout log-probs, balanced batches); and
-# verl's defaults with TRL's equivalents where TRL's trainer differs (one micro-batch of the whole batch, no gradient
-# checkpointing, the old log-probs from the update's own forward pass)
+# ppoflow's settings besides the workload's sizes (--settings): the demo profile's; the defaults (what a user's own
+# model gets: verl's, micro-batches packed by tokens, gradient checkpointing and the old-log-prob pass where needed,
+# rollout log-probs, balanced batches); and the defaults with TRL's equivalents where TRL's trainer differs (one
+# micro-batch of the whole batch, no gradient checkpointing, the old log-probs from the update's own forward pass)
 SETTINGS = {
     "demo": ["+profile=demo", "actor_rollout_ref.actor.recompute_old_log_prob=false"],
     "verl": [],

@@ -103,7 +103,9 @@ class ModelConfig:
     override_config: dict[str, Any] = field(default_factory=dict)
     # the stored weights (verl's model_dtype; float32 = fp32 master weights) | bfloat16 (float16: refused)
     dtype: str = "float32"
-    enable_gradient_checkpointing: bool = True
+    # null (verl: true): on where a micro-batch of the actor's ppo_max_token_len_per_gpu tokens would not fit
+    # (rl_core/models/checkpointing.py)
+    enable_gradient_checkpointing: bool | None = None
     # padding-free forward (packed sequences) for log-probs, values and updates; flash-attention varlen kernels when
     # flash_attn is installed and the model runs on CUDA, SDPA otherwise
     use_remove_padding: bool = True
@@ -316,7 +318,7 @@ class CriticModelConfig:
     external_lib: str | None = "${actor_rollout_ref.model.external_lib}"
     override_config: dict[str, Any] = field(default_factory=dict)
     dtype: str = "${actor_rollout_ref.model.dtype}"
-    enable_gradient_checkpointing: bool = True
+    enable_gradient_checkpointing: bool | None = None  # null (verl: true): as the actor's, with this token budget
     use_remove_padding: bool = "${actor_rollout_ref.model.use_remove_padding}"  # type: ignore[assignment]
     lora_rank: int = 0
     lora_alpha: int = 16

@@ -37,6 +37,7 @@ import transformers
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from rl_core.device import COMPUTE_DTYPES
+from rl_core.models.checkpointing import apply_gradient_checkpointing
 from rl_core.models.folder import ModelLoadError, local_model_path
 from rl_core.models.logprob import padding_free_mismatch
 from rl_core.models.vocabulary import describe_ids, fed_ids, ids_past_rows, model_rows
@@ -271,10 +272,12 @@ def reset_generation_config(model: PreTrainedModel) -> dict[str, Any]:
 
 
 def load_policy_model(
-    model_config: Any, device: str = "cpu", compute_dtype: torch.dtype = torch.float32
+    model_config: Any, device: str = "cpu", compute_dtype: torch.dtype = torch.float32, train_tokens: int | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The actor/ref model and tokenizer described by an ``actor_rollout_ref.model`` config node (on the CPU; the
-    attention kernels are chosen for the ``device`` and ``compute_dtype`` it will run in)."""
+    attention kernels are chosen for the ``device`` and ``compute_dtype`` it will run in). ``train_tokens``: the
+    micro-batch token budget of a model that is trained (gradient checkpointing's null setting weighs it), None for
+    one that is not."""
     path = model_config.path
     trust_remote_code = bool(model_config.trust_remote_code)
     import_external_lib(model_config.external_lib)
@@ -300,8 +303,7 @@ def load_policy_model(
         ) from error
     check_model_vocabulary(model, tokenizer, "actor_rollout_ref.model.path")
     reset_generation_config(model)
-    if model_config.enable_gradient_checkpointing:
-        enable_gradient_checkpointing(model)
+    apply_gradient_checkpointing(model, model_config.enable_gradient_checkpointing, train_tokens, device, compute_dtype)
     return model, tokenizer
 
 
@@ -333,16 +335,6 @@ def check_model_vocabulary(model: torch.nn.Module, tokenizer: PreTrainedTokenize
         ),
         stacklevel=2,
     )
-
-
-def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
-    """Recompute each block's activations in the backward pass (non-reentrant), with transformers' own switch under
-    its current name (older transformers: ``gradient_checkpointing_enable``)."""
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 @contextlib.contextmanager

@@ -16,10 +16,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModel, AutoModelForTokenClassification, PreTrainedTokenizerBase
 
+from rl_core.models.checkpointing import apply_gradient_checkpointing
 from rl_core.models.loading import (
     attention_implementation,
     check_model_vocabulary,
-    enable_gradient_checkpointing,
     import_external_lib,
     load_hf_config,
     load_tokenizer,
@@ -69,10 +69,11 @@ class ValueHeadModel(torch.nn.Module):
 
 
 def load_critic_model(
-    model_config: Any, device: str = "cpu", compute_dtype: torch.dtype = torch.float32
+    model_config: Any, device: str = "cpu", compute_dtype: torch.dtype = torch.float32, train_tokens: int | None = None
 ) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
     """The critic described by a ``critic.model`` config node (token classification, else body + value head); on the
-    CPU, with attention kernels for the ``device`` and ``compute_dtype`` it will run in."""
+    CPU, with attention kernels for the ``device`` and ``compute_dtype`` it will run in. ``train_tokens``: its
+    micro-batch token budget (gradient checkpointing's null setting weighs it)."""
     path = model_config.path
     trust_remote_code = bool(model_config.trust_remote_code)
     import_external_lib(model_config.external_lib)
@@ -102,6 +103,5 @@ def load_critic_model(
         if (folder / VALUE_HEAD_FILE).exists():
             model.value_head.load_state_dict(load_file(str(folder / VALUE_HEAD_FILE)))
     check_model_vocabulary(model, tokenizer, "critic.model.path")
-    if model_config.enable_gradient_checkpointing:
-        enable_gradient_checkpointing(body)
+    apply_gradient_checkpointing(body, model_config.enable_gradient_checkpointing, train_tokens, device, compute_dtype)
     return model, tokenizer

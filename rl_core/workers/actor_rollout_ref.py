@@ -127,7 +127,10 @@ class ActorRolloutRefWorker:
         fsdp_config = self.actor_config.fsdp_config
         with load_warnings() as notes:
             if self.is_actor or self.is_rollout:
-                model, self.tokenizer = load_policy_model(self.model_config, self.device, self.compute_dtype)
+                train_tokens = int(self.actor_config.ppo_max_token_len_per_gpu) if self.is_actor else None
+                model, self.tokenizer = load_policy_model(
+                    self.model_config, self.device, self.compute_dtype, train_tokens
+                )
                 self.remove_padding = self.remove_padding and padding_free_works(
                     model.to(self.device), "actor_rollout_ref.model.use_remove_padding"
                 )

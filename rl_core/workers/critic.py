@@ -41,7 +41,9 @@ class CriticWorker:
     def init_model(self) -> list[str]:
         """Load the critic (+LoRA) and its optimizer; returns what loading changed or could not use, for the log."""
         with load_warnings() as notes:
-            model, self.tokenizer = load_critic_model(self.model_config, self.device, self.compute_dtype)
+            model, self.tokenizer = load_critic_model(
+                self.model_config, self.device, self.compute_dtype, int(self.config.ppo_max_token_len_per_gpu)
+            )
             self.remove_padding = bool(self.model_config.use_remove_padding) and padding_free_works(
                 model.to(self.device), "critic.model.use_remove_padding"
             )

@@ -193,6 +193,9 @@ DELIBERATE_DIFFERENCES = {
     "critic.fsdp.dtype": "auto = bfloat16 on CUDA (verl's), float32 on the CPU",
     "actor_rollout_ref.rollout.dtype": "auto = bfloat16 on CUDA (verl's) and where a CPU computes it faster, else "
     "float32",
+    "actor_rollout_ref.model.enable_gradient_checkpointing": "null = on where a micro-batch's activations would not "
+    "fit: a small model's update without the second forward pass",
+    "critic.model.enable_gradient_checkpointing": "as the actor's",
     "data.seed": "verl's null leaves the shuffle unseeded; 1 makes runs repeat and resume exactly",
     "custom_reward_function.name": "verl's null means compute_score",
     "reward_model.enable": "verl's null means false",

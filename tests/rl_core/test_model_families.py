@@ -61,10 +61,13 @@ def step_inputs(config, tokenizer, folder):
 
 
 def verl_config(model_path, *extra):
-    """verl's defaults (no demo profile: a model path is given) at sizes a test can afford."""
+    """verl's defaults (no demo profile: a model path is given) at sizes a test can afford; gradient checkpointing on,
+    verl's default (ppoflow's null would leave it off for models this small): each family's checkpointed update runs."""
     return compose_config(
         [
             f"actor_rollout_ref.model.path={model_path}",
+            "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+            "critic.model.enable_gradient_checkpointing=true",
             "algorithm.adv_estimator=grpo",
             "actor_rollout_ref.rollout.n=4",
             "data.train_batch_size=4",
@@ -85,7 +88,7 @@ def test_every_family_of_the_table_is_tested():
 def test_a_family_loads_and_its_padding_free_forward_equals_the_padded_one(family, family_models, tmp_path):
     config = verl_config(family_models[family])
     model, tokenizer = load_policy_model(config.actor_rollout_ref.model)
-    assert type(model).__name__ == CLASSES[family] and checkpoints_activations(model)  # verl's default: on
+    assert type(model).__name__ == CLASSES[family] and checkpoints_activations(model)  # verl's default, set
     # SDPA (packed rows as padded batches) where the architecture has it (transformers 5.24 has none for Gemma 2)
     assert model.config._attn_implementation == (PACKED_SDPA if has_attention(type(model), "sdpa") else "eager")
     assert family != "gemma2" or transformers.__version__ < "5" or model.config._attn_implementation == "eager"

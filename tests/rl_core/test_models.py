@@ -17,6 +17,12 @@ from transformers import (
 )
 
 from rl_core.config import ModelConfig, OptimConfig
+from rl_core.models.checkpointing import (
+    activation_bytes,
+    apply_gradient_checkpointing,
+    free_bytes,
+    needs_gradient_checkpointing,
+)
 from rl_core.models.loading import ModelLoadError, load_hf_config, load_policy_model, resolve_model_class
 from rl_core.models.lora import adapter_disabled, apply_lora
 from rl_core.models.optim import apply_optim_settings, build_lr_scheduler, build_optimizer, lr_multiplier
@@ -49,6 +55,30 @@ def test_make_tiny_model_cli_writes_a_checkpoint_that_loads_like_qwen25(tmp_path
     reference = AutoModelForCausalLM.from_pretrained(out)
     for (name, a), (_, b) in zip(model.state_dict().items(), reference.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+def test_gradient_checkpointing_by_default_only_where_a_micro_batch_would_not_fit(tiny_model_path):
+    """null: on where a micro-batch of the token budget keeps more than half of the memory left after the gradients
+    and Adam's moments; an explicit true / false wins; a model that is not trained (no budget) never checkpoints."""
+    model, _ = load_policy_model(ModelConfig(path=tiny_model_path, enable_gradient_checkpointing=False))
+    text = model.config.get_text_config()
+    parameters = sum(p.numel() for p in model.parameters())
+    per_token = text.num_hidden_layers * text.hidden_size * 34 * 4 // 2  # float32: twice 16-bit's 34 bytes
+    assert activation_bytes(model, 1000, torch.float32) == 1000 * per_token
+    assert activation_bytes(model, 1000, torch.bfloat16) == 1000 * per_token // 2
+    free = 12 * parameters + 2 * 1000 * per_token  # exactly fits 1000 tokens
+    assert not needs_gradient_checkpointing(model, 1000, torch.float32, free)
+    assert needs_gradient_checkpointing(model, 1001, torch.float32, free)
+    # on this machine: the demo-sized model and verl's 16384-token budget fit; a budget past the memory does not
+    assert not apply_gradient_checkpointing(model, None, 16384, "cpu", torch.float32)
+    assert not checkpoints_activations(model)
+    assert apply_gradient_checkpointing(model, None, free_bytes("cpu") // per_token + 1, "cpu", torch.float32)
+    assert checkpoints_activations(model)
+    assert not apply_gradient_checkpointing(model, None, None, "cpu", torch.float32)  # not trained
+    default, _ = load_policy_model(ModelConfig(path=tiny_model_path), train_tokens=16384)
+    assert ModelConfig().enable_gradient_checkpointing is None and not checkpoints_activations(default)
+    forced, _ = load_policy_model(ModelConfig(path=tiny_model_path, enable_gradient_checkpointing=True))
+    assert checkpoints_activations(forced)
 
 
 def test_missing_path_is_a_clear_error(tmp_path):
