@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -71,7 +72,8 @@ class PrefectRunView:
         """``history_steps``: keep the task runs of the last this many steps (-1: all), see :meth:`step_started`."""
         self.history_steps = history_steps
         self.step_starts: dict[int, datetime] = {}
-        self.pruner: TaskRunPruner | None = None
+        self.pruned_before: datetime | None = None
+        self.api_calls: ApiCalls | None = None
         try:
             self.logger = get_run_logger()
         except MissingContextError:
@@ -98,7 +100,7 @@ class PrefectRunView:
 
     def step_started(self, step: int) -> None:
         """Step ``step`` begins. Every PRUNE_EVERY_STEPS steps, the task runs that this flow run started before step
-        ``step - history_steps`` are deleted from Prefect, off the step's path (:class:`TaskRunPruner`): ~6-8 task runs
+        ``step - history_steps`` are deleted from Prefect, off the step's path (:class:`ApiCalls`): ~6-8 task runs
         of ~3 states each per step would otherwise grow its database by tens of KB per step, without bound."""
         if not self.in_flow_run or self.history_steps < 0:
             return
@@ -106,16 +108,28 @@ class PrefectRunView:
         oldest_kept = step - self.history_steps
         if oldest_kept <= 1 or oldest_kept % PRUNE_EVERY_STEPS or oldest_kept not in self.step_starts:
             return
-        if self.pruner is None:
-            self.pruner = TaskRunPruner(runtime.flow_run.id)
-            self.pruner.start()
-        self.pruner.prune_before(self.step_starts[oldest_kept])
+        self.pruned_before = cutoff = self.step_starts[oldest_kept]
+        flow_run_id = runtime.flow_run.id
+        self._call_off_path("prune", lambda: delete_task_runs_before(flow_run_id, cutoff))
         self.step_starts = {s: t for s, t in self.step_starts.items() if s >= oldest_kept}
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """The run is over: let the pruning catch up (at most ``timeout_s``)."""
-        if self.pruner is not None:
-            self.pruner.close(timeout_s)
+        """The run is over: let the calls off the step's path catch up (at most ``timeout_s``): the last progress, and
+        the pruning once more after the server's recorder lag (a task run that started before the cutoff but was not
+        recorded yet when its batch was deleted is deleted now that the recorder has written it)."""
+        if self.api_calls is None:
+            return
+        if self.pruned_before is not None:
+            flow_run_id, cutoff = runtime.flow_run.id, self.pruned_before
+            self.api_calls.submit(
+                "prune", lambda: (time.sleep(RECORDER_LAG_S), delete_task_runs_before(flow_run_id, cutoff))
+            )
+        self.api_calls.close(timeout_s)
+
+    def _call_off_path(self, kind: str, call: Callable[[], object]) -> None:
+        if self.api_calls is None:
+            self.api_calls = ApiCalls()
+        self.api_calls.submit(kind, call)
 
     def link_run(self, mlflow_url: str | None, tracking_uri: str, run_id: str, checkpoint_dir: str | Path) -> None:
         """The flow run's artifacts: a link to the MLflow run when a UI serves it (else its id, its store and how to
@@ -140,7 +154,9 @@ class PrefectRunView:
 
     def progress(self, step: int, total: int, summary: str, force: bool = False) -> None:
         """Step ``step`` of ``total`` done; ``summary`` (the latest score, validation metric) is the description.
-        Updated at most every PROGRESS_EVERY_S seconds unless ``force``."""
+        Updated at most every PROGRESS_EVERY_S seconds unless ``force``; the artifact is made at the first call, in
+        the flow run's context, and updated off the step's path (an update waits for the server, which may be busy
+        recording the steps' task runs: 0.3-1.3 s were measured on the controller's main thread)."""
         if not self.in_flow_run or not (force or time.monotonic() - self.last_progress >= PROGRESS_EVERY_S):
             return
         percent = 100.0 * step / max(total, 1)
@@ -148,45 +164,51 @@ class PrefectRunView:
         if self.progress_id is None:
             self.progress_id = create_progress_artifact(percent, key="training-progress", description=description)
         else:
-            update_progress_artifact(self.progress_id, percent, description=description)
+            progress_id = self.progress_id
+            self._call_off_path(
+                "progress", lambda: update_progress_artifact(progress_id, percent, description=description)
+            )
         self.last_progress = time.monotonic()
 
 
-class TaskRunPruner(threading.Thread):
-    """Deletes a flow run's task runs that started before the latest cutoff it was given, in the background."""
+class ApiCalls(threading.Thread):
+    """Calls to Prefect's API made in a thread of their own, so that no step waits for the server; in the order of
+    their kinds' first submission, and of each kind only the latest not yet made (a newer progress replaces an older
+    one, a later pruning cutoff an earlier). A call that raises is logged, never raised: the run goes on."""
 
-    def __init__(self, flow_run_id: str):
-        super().__init__(daemon=True, name="ppoflow-task-run-pruner")
-        self.flow_run_id = flow_run_id
-        self.cutoff: datetime | None = None
+    def __init__(self) -> None:
+        super().__init__(daemon=True, name="ppoflow-prefect-api")
+        self.pending: dict[str, Callable[[], object]] = {}
+        self.lock = threading.Lock()
         self.wake = threading.Event()
         self.stopping = False
+        self.start()
 
-    def prune_before(self, cutoff: datetime) -> None:
-        self.cutoff = cutoff
+    def submit(self, kind: str, call: Callable[[], object]) -> None:
+        with self.lock:
+            self.pending[kind] = call
         self.wake.set()
 
     def close(self, timeout_s: float) -> None:
+        """Make what is pending, then end (waits at most ``timeout_s``)."""
         self.stopping = True
         self.wake.set()
         self.join(timeout_s)
 
     def run(self) -> None:
-        done = None
         while True:
             self.wake.wait()
             self.wake.clear()
-            cutoff = self.cutoff
-            if cutoff is not None and cutoff != done:
-                delete_task_runs_before(self.flow_run_id, cutoff)
-                done = cutoff
-            if self.stopping and self.cutoff == done:
-                break
-        # the server records task runs from their events in batches: one that started before the cutoff but was not
-        # recorded yet when its batch went is deleted here, once the recorder has written it (no later batch will)
-        if done is not None:
-            time.sleep(RECORDER_LAG_S)
-            delete_task_runs_before(self.flow_run_id, done)
+            with self.lock:
+                calls, self.pending = list(self.pending.items()), {}
+            for kind, call in calls:
+                try:
+                    call()
+                except Exception as error:  # the API is away or busy: the run does not fail for its view
+                    logging.getLogger("ppoflow").warning("Prefect API call %r failed: %s", kind, error)
+            with self.lock:
+                if self.stopping and not self.pending:
+                    return
 
 
 def delete_task_runs_before(flow_run_id: str, cutoff: datetime) -> int:
