@@ -1,7 +1,7 @@
 """ppoflow against TRL on the demo task: the same SFT-warm-started tiny model, data, sizes and optimizer settings.
 
     pip install -e '.[bench]'          # TRL 0.29
-    python bench/vs_trl.py [--steps 100] [--prompts 16] [--n 4] [--warmup 5]
+    python bench/vs_trl.py [--steps 100] [--prompts 16] [--n 4] [--warmup 5] [--seed S [S ...]]
 
 Rows (each run in a process of its own, one after the other), all with one PPO epoch, one mini-batch, no KL term,
 ``--prompts`` x ``--n`` responses per step of at most 8 new tokens (the demo's):
@@ -15,7 +15,8 @@ carry bursts of background work, which the median leaves out), tokens per second
 of a step / its time), the peak resident memory of all the run's processes together (ppoflow: the controller, its
 Prefect server and the Ray cluster and workers; sampled every 0.2 s) and the greedy validation accuracy of the final
 policy, computed for both by one function (:func:`greedy_accuracy`: ppoflow's own validation on an in-process
-worker). Prints a table and, last, one JSON line.
+worker). With several ``--seed`` values each row runs once per seed (the rows alternated) and gives the median of
+its runs' median steps and its mean accuracy. Prints a table and, last, one JSON line.
 """
 
 from __future__ import annotations
@@ -381,14 +382,18 @@ def measure(name: str, argv: list[str]) -> dict:
     return {**result, "peak_rss_gb": peak / 2**30}
 
 
-def summary(result: dict, warmup: int) -> dict:
-    steps, tokens = result["step_s"][warmup:], result["tokens"][warmup:]
+def summary(results: list[dict], warmup: int) -> dict:
+    """One row over its runs (one per seed): the median of the runs' median steps, the mean of all their steps,
+    tokens per second over all of them, the highest peak memory, the mean accuracy and each run's."""
+    steps = [run["step_s"][warmup:] for run in results]
+    tokens = [t for run in results for t in run["tokens"][warmup:]]
     return {
-        "step_median_s": round(statistics.median(steps), 4),
-        "step_mean_s": round(statistics.mean(steps), 4),
-        "tokens_per_s": round(sum(tokens) / sum(steps), 1) if tokens else None,
-        "peak_rss_gb": round(result["peak_rss_gb"], 2),
-        "val_accuracy": round(result["val_accuracy"], 4),
+        "step_median_s": round(statistics.median(statistics.median(s) for s in steps), 4),
+        "step_mean_s": round(statistics.mean(t for s in steps for t in s), 4),
+        "tokens_per_s": round(sum(tokens) / sum(t for s in steps for t in s), 1) if tokens else None,
+        "peak_rss_gb": round(max(run["peak_rss_gb"] for run in results), 2),
+        "val_accuracy": round(statistics.mean(run["val_accuracy"] for run in results), 4),
+        "val_accuracies": [round(run["val_accuracy"], 4) for run in results],
     }
 
 
@@ -415,8 +420,11 @@ def main() -> None:
     parser.add_argument(
         "--seed",
         type=int,
-        help="one seed for every run's shuffling and sampling (default: each trainer's own: ppoflow's data.seed=1 and "
-        "rollout.seed=42, TRL's 0)",
+        nargs="+",
+        help="the seed of every run's shuffling and sampling (default: each trainer's own: ppoflow's data.seed=1 and "
+        "rollout.seed=42, TRL's 0); several: each row runs once per seed, the rows alternated, and the table gives the "
+        "median of the runs' median steps and the mean accuracy (a few dozen steps' accuracy is the seed's as much as "
+        "the trainer's)",
     )
     parser.add_argument(
         "--bf16",
@@ -428,7 +436,8 @@ def main() -> None:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     model, train, val = demo_assets(args.cache, args.compute_bound)
-    if args.one:  # a child: one run, its result to --out
+    if args.one:  # a child: one run, of one seed, its result to --out
+        args.seed = args.seed[0] if args.seed else None
         with tempfile.TemporaryDirectory() as folder:
             result = RUNS[args.one](args, folder, model, train, val)
             result["val_accuracy"] = greedy_accuracy(result.pop("model_dir"), val)
@@ -436,12 +445,17 @@ def main() -> None:
         return
     argv = [f"--steps={args.steps}", f"--prompts={args.prompts}", f"--n={args.n}", f"--cache={args.cache}"]
     argv.append(f"--settings={args.settings}")
-    argv += [f"--seed={args.seed}"] * (args.seed is not None) + ["--bf16"] * args.bf16
+    argv += ["--bf16"] * args.bf16
     argv += ["--compute-bound"] * args.compute_bound + [f"--response-length={args.response_length}"] * bool(
         args.response_length
     )
     before = greedy_accuracy(model, val)
-    rows = {name: summary(measure(name, argv), args.warmup) for name in args.only or RUNS}
+    names, seeds = args.only or list(RUNS), args.seed or [None]
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for seed in seeds:  # the rows alternated: the machine's drift falls on all of them
+        for name in names:
+            runs[name].append(measure(name, argv + [f"--seed={seed}"] * (seed is not None)))
+    rows = {name: summary(results, args.warmup) for name, results in runs.items()}
     print(
         f"demo task{', a random ~24M Qwen2' if args.compute_bound else ''}, {args.steps} steps of {args.prompts} "
         f"prompts x {args.n} responses of at most {args.response_length or 8} new tokens, ppoflow with {args.settings} "
@@ -454,7 +468,8 @@ def main() -> None:
     for name, row in rows.items():
         tokens = f"{row['tokens_per_s']:.0f}" if row["tokens_per_s"] else "-"
         step, mean, accuracy = row["step_median_s"], row["step_mean_s"], row["val_accuracy"]
-        print(f"{name:<14}{step:>16.3f}{mean:>10.3f}{tokens:>10}{row['peak_rss_gb']:>15.2f}{accuracy:>14.3f}")
+        each = f"  ({', '.join(f'{a:.3f}' for a in row['val_accuracies'])})" if len(seeds) > 1 else ""
+        print(f"{name:<14}{step:>16.3f}{mean:>10.3f}{tokens:>10}{row['peak_rss_gb']:>15.2f}{accuracy:>14.3f}{each}")
     ratios = {
         f"{algo}_step{kind}_ratio_ppoflow_over_trl": round(
             rows[f"ppoflow-{algo}"][f"step{stat}_s"] / rows[f"trl-{algo}"][f"step{stat}_s"], 3
@@ -472,6 +487,7 @@ def main() -> None:
                 "compute_bound": args.compute_bound,
                 "response_length": args.response_length,
                 "settings": args.settings,
+                "seeds": seeds,
                 "bf16": args.bf16,
                 "val_accuracy_before": round(before, 4),
                 **rows,
