@@ -280,6 +280,49 @@ def update_actor(workers: StepWorkers, batch: Batch, old: Batch | None, ref: Bat
 
 
 # ---------------------------------------------------------------------------------------------- one step
+def rollout_and_score(
+    config: Any,
+    workers: StepWorkers,
+    data: RLDataset,
+    sampler: ResumableSampler,
+    reward_manager: RewardManager,
+    step: int,
+    stage: Callable,
+) -> tuple[Batch, Metrics]:
+    """Stages 1-2 of step ``step`` through ``stage(name, fn, *args)`` (the step's runner: it reports, times and keeps
+    the metrics): a generation batch of prompts from ``sampler``, sampled and scored; with DAPO's dynamic sampling
+    (``algorithm.filter_groups``) repeated, keeping only the groups whose responses differ in the filter's metric, until
+    ``train_batch_size`` groups are kept. Returns the batch and, when filtering, ``train/num_gen_batches``."""
+    filter_groups = config.algorithm.filter_groups
+    n = int(config.actor_rollout_ref.rollout.n)
+    wanted = config.data.train_batch_size * n
+    baseline_reward = reward_manager if config.algorithm.adv_estimator == "remax" else None
+    kept: list[Batch] = []
+    generation_batches = 0
+    while True:
+        prompts = step_prompts(data, sampler.next_batch(), step, generation_batches)
+        generation_batches += 1
+        if workers.separate_rollout is None:
+            batch = stage("generate", generate, workers, prompts, n, baseline_reward)
+        else:  # on the rollout's own workers: launch what the window lets start (this step's, later steps'), take
+            first = generation_batches == 1
+            batch = stage(
+                "generate", take_generation, workers.separate_rollout, config, data, sampler, prompts, step, first
+            )
+        batch.union(stage("reward", reward, workers, reward_manager, batch))
+        if not filter_groups.enable:
+            return batch, {}
+        kept.append(batch[informative_groups(batch, filter_groups.metric)])
+        if sum(len(b) for b in kept) >= wanted:
+            return Batch.concat(kept)[:wanted], {"train/num_gen_batches": float(generation_batches)}
+        if 0 < filter_groups.max_num_gen_batches <= generation_batches:
+            raise RuntimeError(
+                f"dynamic sampling found fewer than {config.data.train_batch_size} prompts whose responses differ in "
+                f"{filter_groups.metric!r} in {generation_batches} generation batches; raise "
+                "algorithm.filter_groups.max_num_gen_batches or check the data (are all responses scored alike?)"
+            )
+
+
 def run_ppo_step(
     config: Any,
     workers: StepWorkers,
@@ -307,38 +350,8 @@ def run_ppo_step(
         return result
 
     # Stages 1-2: rollout and reward, repeated (DAPO dynamic sampling) until enough groups have differing scores
-    filter_groups = config.algorithm.filter_groups
-    n = int(config.actor_rollout_ref.rollout.n)
-    wanted = config.data.train_batch_size * n
-    baseline_reward = reward_manager if config.algorithm.adv_estimator == "remax" else None
-    kept: list[Batch] = []
-    generation_batches = 0
-    while True:
-        prompts = step_prompts(data, sampler.next_batch(), step, generation_batches)
-        generation_batches += 1
-        if workers.separate_rollout is None:
-            batch = stage("generate", generate, workers, prompts, n, baseline_reward)
-        else:  # on the rollout's own workers: launch what the window lets start (this step's, later steps'), take
-            first = generation_batches == 1
-            batch = stage(
-                "generate", take_generation, workers.separate_rollout, config, data, sampler, prompts, step, first
-            )
-        batch.union(stage("reward", reward, workers, reward_manager, batch))
-        if not filter_groups.enable:
-            kept = [batch]
-            break
-        kept.append(batch[informative_groups(batch, filter_groups.metric)])
-        if sum(len(b) for b in kept) >= wanted:
-            break
-        if 0 < filter_groups.max_num_gen_batches <= generation_batches:
-            raise RuntimeError(
-                f"dynamic sampling found fewer than {config.data.train_batch_size} prompts whose responses differ in "
-                f"{filter_groups.metric!r} in {generation_batches} generation batches; raise "
-                "algorithm.filter_groups.max_num_gen_batches or check the data (are all responses scored alike?)"
-            )
-    if filter_groups.enable:
-        batch = Batch.concat(kept)[:wanted]
-        metrics["train/num_gen_batches"] = float(generation_batches)
+    batch, rollout_metrics = rollout_and_score(config, workers, data, sampler, reward_manager, step, stage)
+    metrics.update(rollout_metrics)
     if config.trainer.balance_batch and workers.world_size > 1:
         batch = batch[balanced_order(batch.tensors[ATTENTION_MASK].sum(-1).tolist(), workers.world_size)]
 
