@@ -422,9 +422,7 @@ def main() -> None:
         type=int,
         nargs="+",
         help="the seed of every run's shuffling and sampling (default: each trainer's own: ppoflow's data.seed=1 and "
-        "rollout.seed=42, TRL's 0); several: each row runs once per seed, the rows alternated, and the table gives the "
-        "median of the runs' median steps and the mean accuracy (a few dozen steps' accuracy is the seed's as much as "
-        "the trainer's)",
+        "rollout.seed=42, TRL's 0); several: each row once per seed, rows alternated (medians, mean accuracy)",
     )
     parser.add_argument(
         "--bf16",

@@ -551,12 +551,22 @@ def use_critic(config: Any) -> bool:
     return bool(enable) if enable is not None else config.algorithm.adv_estimator == "gae"
 
 
+def update_pass_gives_old_log_probs(config: Any) -> bool:
+    """Whether the update's own forward pass, detached, can serve as the old log-probs: one epoch and one mini-batch
+    (the policy has not moved before it), and no KL penalty in the reward (which needs them before the update)."""
+    actor = config.actor_rollout_ref.actor
+    return bool(
+        actor.ppo_epochs == 1
+        and actor.ppo_mini_batch_size == config.data.train_batch_size
+        and not config.algorithm.use_kl_in_reward
+    )
+
+
 def recomputes_old_log_prob(config: Any) -> bool:
     """Whether a step runs the old-log-prob pass: not in rollout correction's bypass mode (the rollout's are used),
     nor with ``actor.recompute_old_log_prob=false`` (the update's own forward pass gives them); when it is null
-    (the default), only where the update's pass would not give the same numbers or they are needed before it: more
-    than one epoch or mini-batch, the KL penalty in the reward, rollout correction's decoupled mode, or a critic
-    warm-up (steps without an update)."""
+    (the default), only where the update's pass cannot serve (:func:`update_pass_gives_old_log_probs`) or something
+    else needs them: rollout correction's decoupled mode, or a critic warm-up (steps without an update)."""
     actor, algorithm = config.actor_rollout_ref.actor, config.algorithm
     if algorithm.rollout_correction.bypass_mode:
         return False
@@ -565,9 +575,7 @@ def recomputes_old_log_prob(config: Any) -> bool:
     from rl_core.correction_settings import RolloutCorrection
 
     return bool(
-        actor.ppo_epochs != 1
-        or actor.ppo_mini_batch_size != config.data.train_batch_size
-        or algorithm.use_kl_in_reward
+        not update_pass_gives_old_log_probs(config)
         or RolloutCorrection.from_config(algorithm.rollout_correction).corrects
         or config.trainer.critic_warmup > 0
     )

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from rl_core.config import COMPUTE_DTYPE_NAMES, DEVICES
+from rl_core.config import COMPUTE_DTYPE_NAMES, DEVICES, update_pass_gives_old_log_probs
 from rl_core.data.synthetic import TASKS
 from rl_core.rollout_schedule import AGENT_BATCHING, SCHEDULES, check_async_training
 
@@ -180,11 +180,7 @@ def check_training(config: Any) -> None:
             "algorithm.filter_groups.enable=true with algorithm.use_kl_in_reward=true: groups are filtered before the "
             "log-probs that the KL penalty needs exist; use actor_rollout_ref.actor.use_kl_loss instead"
         )
-    if actor.recompute_old_log_prob is False and (
-        actor.ppo_epochs != 1
-        or actor.ppo_mini_batch_size != config.data.train_batch_size
-        or config.algorithm.use_kl_in_reward
-    ):
+    if actor.recompute_old_log_prob is False and not update_pass_gives_old_log_probs(config):
         raise ConfigValueError(
             "actor_rollout_ref.actor.recompute_old_log_prob=false needs ppo_epochs=1, ppo_mini_batch_size = "
             "data.train_batch_size (one update of the policy the responses came from) and no "
