@@ -4,6 +4,7 @@ commands handed to it. It runs a copy of the project's code, so that a test may 
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -13,7 +14,7 @@ from prefect.settings import PREFECT_API_URL
 
 from flows.launcher import PACKAGES, changed_sources, project_sources, refusal
 from infra.stack import launcher_fits, unix_socket_answers
-from tests.conftest import ROOT, free_port
+from tests.conftest import ROOT
 
 STACK_VARIABLES = ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "RAY_ADDRESS", "PPOFLOW_LAUNCHER")
 
@@ -80,11 +81,29 @@ def test_a_command_runs_in_a_forked_process_with_its_own_streams_folder_environm
     assert f"{tmp_path}/nothing.parquet: no such dataset file" in own.stderr
 
 
-def test_a_killed_command_stops_its_process_in_the_launcher(launcher, tmp_path, prefect_api):
+@pytest.fixture
+def silent_port():
+    """A loopback port whose connections wait for their whole time-out: it listens, but its one-connection queue is
+    full and never accepted, so the kernel drops the next connection's SYNs (a free port would refuse at once)."""
+    listener = socket.create_server(("127.0.0.1", 0), backlog=0)
+    port = listener.getsockname()[1]
+    queued = [socket.socket() for _ in range(2)]
+    for waiting in queued:
+        waiting.setblocking(False)
+        waiting.connect_ex(("127.0.0.1", port))
+    try:
+        yield port
+    finally:
+        for waiting in queued:
+            waiting.close()
+        listener.close()
+
+
+def test_a_killed_command_stops_its_process_in_the_launcher(launcher, tmp_path, prefect_api, silent_port):
     code, env, process = launcher
-    # a run that waits (10 s) for a Ray cluster that is not there; its command is killed once the run has begun
+    # a run that waits (10 s) for a Ray cluster that does not answer; its command is killed once the run has begun
     command = subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", "train", "--verbose", f"trainer.ray.address=127.0.0.1:{free_port()}"],
+        [sys.executable, "-m", "flows.cli", "train", "--verbose", f"trainer.ray.address=127.0.0.1:{silent_port}"],
         env={**env, "PREFECT_API_URL": PREFECT_API_URL.value()},  # the session's server: none started by the run
         cwd=tmp_path,
         stdout=subprocess.PIPE,
