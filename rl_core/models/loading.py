@@ -20,6 +20,11 @@ What RL needs of a model that pretraining checkpoints do not give, set here and 
   temperature, top-p) would change how the rollout samples; only its token ids are kept;
 * a tokenizer with more tokens than the embedding has rows (:mod:`rl_core.models.vocabulary`): said once, with both
   sizes; refused when a special token lies past the rows.
+
+Every loader passes :data:`NO_HUB_KERNELS`: with the ``kernels`` package installed (a dependency of transformers 5),
+``from_pretrained`` would swap layers (RMSNorm, activations, RoPE on CUDA) for kernels it downloads from the Hugging
+Face Hub and runs — remote code without ``trust_remote_code`` — and would re-kernelize at every ``train()``/``eval()``
+switch (~0.2 ms each on the CPU, a rollout and an update per step).
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ ATTENTION_SUPPORT = {
     "sdpa": ("_supports_sdpa",),
     "eager": (),
 }
+NO_HUB_KERNELS = {"use_kernels": False}  # see the module doc
 # generation_config.json fields that are not sampling settings (kept: they say which tokens end or pad a sequence)
 GENERATION_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
 # ... nor are these (what generate returns, caching, bookkeeping): dropped without a word
@@ -292,6 +298,7 @@ def load_policy_model(
             dtype=torch_dtype(model_config.dtype),
             trust_remote_code=trust_remote_code,
             attn_implementation=attention,
+            **NO_HUB_KERNELS,
         )
     except (ValueError, ImportError) as error:
         if "attention" not in str(error) and "attn" not in str(error):

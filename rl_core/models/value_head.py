@@ -18,6 +18,7 @@ from transformers import AutoModel, AutoModelForTokenClassification, PreTrainedT
 
 from rl_core.models.checkpointing import apply_gradient_checkpointing
 from rl_core.models.loading import (
+    NO_HUB_KERNELS,
     attention_implementation,
     check_model_vocabulary,
     import_external_lib,
@@ -94,7 +95,12 @@ def load_critic_model(
     known_class = mapping[type(hf_config)] if type(hf_config) in mapping else None  # noqa: SIM401 (None: remote code)
     attention = attention_implementation(known_class, device, compute_dtype, model_config.override_config)
     body = auto_class.from_pretrained(
-        folder, config=hf_config, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation=attention
+        folder,
+        config=hf_config,
+        dtype=dtype,
+        trust_remote_code=trust_remote_code,
+        attn_implementation=attention,
+        **NO_HUB_KERNELS,
     )
     if token_classification:
         model: torch.nn.Module = body

@@ -24,7 +24,7 @@ from rl_core.batch_fields import (
     RM_SCORES,
 )
 from rl_core.device import on_worker_device
-from rl_core.models.loading import load_hf_config, load_tokenizer, local_model_path, torch_dtype
+from rl_core.models.loading import NO_HUB_KERNELS, load_hf_config, load_tokenizer, local_model_path, torch_dtype
 from rl_core.workers.dispatch import DP_COMPUTE, ONE_TO_ALL, dispatch
 
 
@@ -46,6 +46,7 @@ class RewardModelWorker:
                 config=hf_config,
                 dtype=torch_dtype(self.model_config.dtype),
                 trust_remote_code=trust_remote_code,
+                **NO_HUB_KERNELS,
             )
             .eval()
             .to(self.device)

@@ -129,6 +129,18 @@ def test_lora_trains_only_the_adapter_and_disabling_it_gives_the_base_model(tiny
     assert not torch.allclose(enabled, expected, atol=1e-3)
 
 
+def test_no_layer_is_swapped_for_a_kernel_from_the_hub(tiny_model_path):
+    # transformers 5 with the `kernels` package (its dependency) kernelizes a model by default: layers replaced by
+    # code downloaded from the Hugging Face Hub, and a re-kernelization at each train()/eval() switch
+    assert AutoModelForCausalLM.from_pretrained(tiny_model_path).use_kernels  # what a plain load does here
+    policy, _ = load_policy_model(ModelConfig(path=str(tiny_model_path)))
+    critic, _ = load_critic_model(ModelConfig(path=str(tiny_model_path)))
+    for model in (policy, critic):
+        assert not model.use_kernels and model.kernels_mode is None
+        model.train()
+        assert model.kernels_mode is None
+
+
 def test_critic_uses_token_classification_when_available(tiny_model_path):
     critic, _ = load_critic_model(ModelConfig(path=str(tiny_model_path)))
     assert isinstance(critic, Qwen2ForTokenClassification)
