@@ -23,9 +23,9 @@ from infra import standby
 from infra.resource_pool import ResourcePool, remove_placement_groups, smallest_node_cpus
 from infra.weight_transport import CollectiveTransport, ObjectStoreTransport
 from infra.worker_group import WorkerGroup, placement_group_prefix
-from rl_core.config import use_critic, use_reference
 from rl_core.device import DeviceError, resolve_device
 from rl_core.ppo_step import StepWorkers
+from rl_core.run_roles import use_critic, use_reference
 from rl_core.step_checkpoint import run_checkpoints
 from rl_core.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
 

@@ -1,13 +1,14 @@
 """The run's configuration: every key, its type and its one default, as dataclasses (OmegaConf structured configs).
 
-Key names follow verl 0.9 (``verl/trainer/config/ppo_trainer.yaml``) wherever verl has the concept, so a verl
-user's override strings carry over. This module is the only place a default lives: Hydra composes
-``configs/ppo_trainer.yaml`` on top of :class:`PPOTrainerConfig`, workers and the flow read the composed values and
-never fall back to a default of their own. The defaults are verl 0.9's (a user's own model gets verl's learning
-rates, clip ratios, lengths and batch sizes); the few deliberate differences are listed in
-``tests/config/test_verl_defaults.py`` and the README. With no ``actor_rollout_ref.model.path`` the embedded demo
-runs instead (the synthetic addition task on a tiny Qwen2 model, GRPO, all on CPU), with the values of the demo
-profile ``configs/profile/demo.yaml`` applied under the user's overrides (:func:`flows.config.compose_config`).
+Key names follow verl 0.9 (``verl/trainer/config/ppo_trainer.yaml``) wherever verl has the concept, so a verl user's
+override strings carry over. This module is the only place a default lives (the agent loops' keys,
+``actor_rollout_ref.rollout.multi_turn`` and ``.agent``, in :mod:`rl_core.agent.settings`, beside the loops): Hydra
+composes ``configs/ppo_trainer.yaml`` on top of :class:`PPOTrainerConfig`, workers and the flow read the composed
+values and never fall back to a default of their own. The defaults are verl 0.9's (a user's own model gets verl's
+learning rates, clip ratios, lengths and batch sizes); the few deliberate differences are listed in
+``tests/config/test_verl_defaults.py`` and the README. With no ``actor_rollout_ref.model.path`` the embedded demo runs
+instead (the synthetic addition task on a tiny Qwen2 model, GRPO, all on CPU), with the values of the demo profile
+``configs/profile/demo.yaml`` applied under the user's overrides (:func:`flows.config.compose_config`).
 
 OmegaConf enforces the types (``data.train_batch_size=many`` is refused) and the key set (a misspelt key is
 refused; there is no free-form key except the ``dict`` fields). ``"${...}"`` defaults interpolate another key.
@@ -20,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from rl_core.agent.settings import AgentConfig, MultiTurnConfig
 from rl_core.rollout_schedule import agent_batching
 
 if TYPE_CHECKING:
@@ -190,57 +192,6 @@ class ValKwargsConfig:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = -1
-
-
-@dataclass
-class MultiTurnConfig:
-    """Multi-turn rollouts that call tools (:mod:`rl_core.agent.runner`); verl's names, and ppoflow's own last five.
-    ``rollout.response_length`` bounds the whole response: the policy's turns, the tool answers and the glue."""
-
-    enable: bool = False
-    max_assistant_turns: int | None = None  # null: until a turn calls no tool or the response is full
-    max_user_turns: int | None = None  # rounds of tool answers; null: no limit
-    max_parallel_calls: int = 1  # calls per turn; the further ones are answered with an error
-    max_tool_response_length: int = 256  # characters of one tool answer
-    tool_response_truncate_side: str = "middle"  # left: keep the tail | middle: both ends | right: keep the head
-    tool_config_path: str | None = None  # verl's tool YAML (rl_core.agent.tools.registry); null: no tools
-    # verl's interaction YAML (rl_core.agent.interactions): simulated users a row picks by extra_info.interaction_kwargs
-    interaction_config_path: str | None = None
-    format: str = "hermes"  # hermes: <tool_call>{"name", "arguments"}</tool_call> | tag: <call>TEXT</call> (one tool)
-    tool_timeout_s: float = 10.0  # one call's wall-clock limit; it is then cancelled and answered with an error
-    max_concurrent_tools: int = 4  # calls in flight at once, per rollout worker
-    max_tool_response_tokens: int = 64  # tokens of one tool answer (after the character cut)
-    on_parse_error: str = "feedback"  # feedback: the error is the call's answer | stop: the trajectory ends
-
-
-@dataclass
-class EndpointAgentConfig:
-    """The ``endpoint_agent`` loop (:mod:`rl_core.agent.endpoint`): a user's agent talks to the policy through an
-    OpenAI-compatible chat-completions endpoint served on loopback for the rollout; set ``function`` or ``command``."""
-
-    # "module:callable", called in the rollout worker as callable(base_url=..., api_key=..., row=...) in a thread
-    function: str | None = None
-    # or a program (argv list): OPENAI_BASE_URL, OPENAI_API_KEY and PPOFLOW_ROW (the row, JSON) in its environment
-    command: list[str] | None = None
-    # an agent's own time (wall clock outside its requests); past it the trajectory ends (agent_timeout)
-    timeout_s: float = 60.0
-
-
-@dataclass
-class AgentConfig:
-    """verl's ``rollout.agent``: which agent loop a row without an ``agent_name`` column runs."""
-
-    # single_turn_agent | tool_agent (rl_core.agent.runner) | endpoint_agent (rl_core.agent.endpoint) | a loop of
-    # agent_loop_config_path; null: tool_agent with multi_turn.enable, else single turn
-    default_agent_loop: str | None = None
-    endpoint: EndpointAgentConfig = field(default_factory=EndpointAgentConfig)
-    # verl's agent-loop YAML, [{name, _target_: module.Class}]: loops of one's own (rl_core.agent.loops) rows may name
-    agent_loop_config_path: str | None = None
-    # rounds: every running trajectory's next turn generated together (the batch does not depend on timing: a re-run
-    # step draws the same samples) | continuous: each trajectory proceeds on its own, a batch generated from whichever
-    # wait for tokens (one waiting on a tool holds no one); by default rounds for async_training.mode=sync, else
-    # continuous (rl_core.rollout_schedule.agent_batching)
-    batching: str = "${agent_batching:${async_training.mode}}"
 
 
 @dataclass
@@ -542,45 +493,3 @@ def default_config() -> DictConfig:
     from omegaconf import OmegaConf  # imported here: rl_core's workers run without OmegaConf (bench/gpu_check.py)
 
     return OmegaConf.structured(PPOTrainerConfig)
-
-
-# ---------------------------------------------------------------------------------------------- the roles a run needs
-def use_critic(config: Any) -> bool:
-    """A critic when ``critic.enable`` says so, else when the estimator needs values (GAE), as verl."""
-    enable = config.critic.enable
-    return bool(enable) if enable is not None else config.algorithm.adv_estimator == "gae"
-
-
-def update_pass_gives_old_log_probs(config: Any) -> bool:
-    """Whether the update's own forward pass, detached, can serve as the old log-probs: one epoch and one mini-batch
-    (the policy has not moved before it), and no KL penalty in the reward (which needs them before the update)."""
-    actor = config.actor_rollout_ref.actor
-    return bool(
-        actor.ppo_epochs == 1
-        and actor.ppo_mini_batch_size == config.data.train_batch_size
-        and not config.algorithm.use_kl_in_reward
-    )
-
-
-def recomputes_old_log_prob(config: Any) -> bool:
-    """Whether a step runs the old-log-prob pass: not in rollout correction's bypass mode (the rollout's are used),
-    nor with ``actor.recompute_old_log_prob=false`` (the update's own forward pass gives them); when it is null
-    (the default), only where the update's pass cannot serve (:func:`update_pass_gives_old_log_probs`) or something
-    else needs them: rollout correction's decoupled mode, or a critic warm-up (steps without an update)."""
-    actor, algorithm = config.actor_rollout_ref.actor, config.algorithm
-    if algorithm.rollout_correction.bypass_mode:
-        return False
-    if actor.recompute_old_log_prob is not None:
-        return bool(actor.recompute_old_log_prob)
-    from rl_core.correction_settings import RolloutCorrection
-
-    return bool(
-        not update_pass_gives_old_log_probs(config)
-        or RolloutCorrection.from_config(algorithm.rollout_correction).corrects
-        or config.trainer.critic_warmup > 0
-    )
-
-
-def use_reference(config: Any) -> bool:
-    """A reference policy with a KL penalty in the reward or a KL loss, as verl."""
-    return bool(config.algorithm.use_kl_in_reward) or bool(config.actor_rollout_ref.actor.use_kl_loss)

@@ -7,9 +7,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from rl_core.config import COMPUTE_DTYPE_NAMES, DEVICES, update_pass_gives_old_log_probs
+from rl_core.config import COMPUTE_DTYPE_NAMES, DEVICES
 from rl_core.data.synthetic import TASKS
 from rl_core.rollout_schedule import AGENT_BATCHING, SCHEDULES, check_async_training
+from rl_core.run_roles import update_pass_gives_old_log_probs
 
 CHOICES = {
     "data.truncation": ("error", "left", "right"),

@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING, Any
 
 from rl_core.agent.checks import agent_loop_problem
 from rl_core.agent.tools.registry import tool_schemas
-from rl_core.config import use_critic
 from rl_core.data.rows import DatasetError, peek_rows, validate_row
 from rl_core.models.folder import ModelLoadError, check_model_folder, local_model_path
 from rl_core.models.vocabulary import describe_ids, embedding_rows, fed_ids, ids_past_rows, tokenizer_id_bound
 from rl_core.remote_folder import RemoteStorageError
 from rl_core.reward.custom import load_custom_reward_function
+from rl_core.run_roles import use_critic
 from rl_core.step_checkpoint import PRESTART_MARK, CheckpointError, run_checkpoints
 
 if TYPE_CHECKING:  # the datasets need torch, which takes seconds to import: only the tokenized checks load them

@@ -54,12 +54,12 @@ from rl_core.batch_fields import (
     VALIDATE,
     VALUES,
 )
-from rl_core.config import recomputes_old_log_prob, use_critic, use_reference
 from rl_core.correction_settings import RolloutCorrection
 from rl_core.data.dataset import RLDataset
 from rl_core.data.sampler import ResumableSampler
 from rl_core.metrics import compute_data_metrics, multi_turn_metrics, rollout_probs_diff_metrics, validation_metrics
 from rl_core.reward.manager import RewardManager
+from rl_core.run_roles import recomputes_old_log_prob, use_critic, use_reference
 
 Metrics = dict[str, float]
 # stage name (the Prefect task) -> its verl timing name (``timing_s/<name>``)

@@ -23,8 +23,8 @@ What RL needs of a model that pretraining checkpoints do not give, set here and 
 
 Every loader passes :data:`NO_HUB_KERNELS`: with the ``kernels`` package installed (a dependency of transformers 5),
 ``from_pretrained`` would swap layers (RMSNorm, activations, RoPE on CUDA) for kernels it downloads from the Hugging
-Face Hub and runs — remote code without ``trust_remote_code`` — and would re-kernelize at every ``train()``/``eval()``
-switch (~0.2 ms each on the CPU, a rollout and an update per step).
+Face Hub and runs (remote code without ``trust_remote_code``), and would re-kernelize at every ``train()`` or
+``eval()`` switch (~0.2 ms each on the CPU, a rollout and an update per step).
 """
 
 from __future__ import annotations

@@ -8,9 +8,10 @@ import pytest
 from omegaconf import DictConfig, OmegaConf
 
 from flows.config import ConfigError, absolute_paths, compose_config
-from rl_core.config import default_config, recomputes_old_log_prob
+from rl_core.config import default_config
 from rl_core.config_checks import CHOICES, check_config
 from rl_core.models.optim import build_optimizer
+from rl_core.run_roles import recomputes_old_log_prob
 from tests.conftest import ROOT
 
 CODE_FOLDERS = ("rl_core", "flows", "infra")
