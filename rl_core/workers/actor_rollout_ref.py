@@ -80,7 +80,7 @@ from rl_core.workers.fsdp import (
 )
 from rl_core.workers.micro_batches import in_micro_batches, micro_batch_limits
 from rl_core.workers.policy_loss_call import LossConfig, OldPassMetrics, micro_policy_loss, reads_global_batch_info
-from rl_core.workers.train_loop import local_mini_batch_size, run_updates
+from rl_core.workers.train_loop import MicroLoss, local_mini_batch_size, run_updates
 from rl_core.workers.trainable_state import load_model_weights, load_trainable, save_trainable
 
 ROLES = ("actor", "rollout", "ref")
@@ -245,15 +245,55 @@ class ActorRolloutRefWorker:
         self._require(self.is_actor, "update_actor", "actor")
         self.updates_started += 1
         actor = self.actor_config
-        n = int(self.rollout_config.n)
+        own_pass = OldPassMetrics() if OLD_LOG_PROBS not in batch.tensors else None  # the step skipped that pass
+        started = time.perf_counter()
+        with optimizer_state_on_device(self.optimizer, bool(actor.fsdp_config.optimizer_offload)):
+            metrics = run_updates(
+                "actor",
+                self.module,
+                self.optimizer,
+                batch,
+                mini_batch_size=local_mini_batch_size(int(actor.ppo_mini_batch_size) * int(self.rollout_config.n)),
+                micro_batch_limits=micro_batch_limits(
+                    actor.ppo_micro_batch_size_per_gpu, actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu
+                ),
+                epochs=int(actor.ppo_epochs),
+                shuffle=bool(actor.shuffle),
+                seed=self.steps_trained,
+                grad_clip=float(actor.grad_clip),
+                micro_loss=self._policy_micro_loss(batch, own_pass),
+            )
+        if actor.use_kl_loss:
+            metrics["actor/kl_coef"] = float(actor.kl_loss_coef)
+        if own_pass is not None:
+            metrics.update(own_pass.metrics())
+        metrics.update(
+            update_mfu(
+                "actor",
+                self.module,
+                batch.tensors[ATTENTION_MASK],
+                int(actor.ppo_epochs),
+                started,
+                self.device,
+                self.compute_dtype,
+            )
+        )
+        metrics.update(memory_metrics(self.device))
+        self.lr_scheduler.step()
+        self.steps_trained += 1
+        return metrics
+
+    def _policy_micro_loss(self, batch: Batch, own_pass: OldPassMetrics | None) -> MicroLoss:
+        """The update's loss on one micro-batch of ``batch``: the policy loss (``actor.policy_loss.loss_mode``), minus
+        ``entropy_coeff`` x the entropy, plus ``kl_loss_coef`` x the KL to the reference with ``use_kl_loss``, each
+        aggregated by ``loss_agg_mode``; ``own_pass`` collects this forward pass's log-probs as the old ones."""
+        actor = self.actor_config
         loss_fn = get_policy_loss_fn(actor.policy_loss.loss_mode)
         loss_agg_mode = actor.loss_agg_mode
         entropy_coeff = float(actor.entropy_coeff)
         use_kl_loss = bool(actor.use_kl_loss)
         bypass = batch.meta_info.get(ROLLOUT_CORRECTION)  # the rollout's log-probs are the old ones
         temperature = batch.meta_info.get(TEMPERATURE, 1.0)
-        own_pass = OldPassMetrics() if OLD_LOG_PROBS not in batch.tensors else None  # the step skipped that pass
-        started = time.perf_counter()
 
         def micro_loss(micro: Batch, info: dict[str, float], share: float) -> tuple[torch.Tensor, dict[str, float]]:
             mask = micro.tensors[RESPONSE_MASK]
@@ -280,41 +320,7 @@ class ActorRolloutRefWorker:
                 metrics["actor/kl_loss"] = kl_loss.item()
             return loss, metrics
 
-        with optimizer_state_on_device(self.optimizer, bool(actor.fsdp_config.optimizer_offload)):
-            metrics = run_updates(
-                "actor",
-                self.module,
-                self.optimizer,
-                batch,
-                mini_batch_size=local_mini_batch_size(int(actor.ppo_mini_batch_size) * n),
-                micro_batch_limits=micro_batch_limits(
-                    actor.ppo_micro_batch_size_per_gpu, actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu
-                ),
-                epochs=int(actor.ppo_epochs),
-                shuffle=bool(actor.shuffle),
-                seed=self.steps_trained,
-                grad_clip=float(actor.grad_clip),
-                micro_loss=micro_loss,
-            )
-        if use_kl_loss:
-            metrics["actor/kl_coef"] = float(actor.kl_loss_coef)
-        if own_pass is not None:
-            metrics.update(own_pass.metrics())
-        metrics.update(
-            update_mfu(
-                "actor",
-                self.module,
-                batch.tensors[ATTENTION_MASK],
-                int(actor.ppo_epochs),
-                started,
-                self.device,
-                self.compute_dtype,
-            )
-        )
-        metrics.update(memory_metrics(self.device))
-        self.lr_scheduler.step()
-        self.steps_trained += 1
-        return metrics
+        return micro_loss
 
     # ------------------------------------------------------------------ weights for a rollout of its own
     @dispatch(ONE_TO_ALL)

@@ -57,6 +57,10 @@ def global_batch_info(mini: Batch) -> dict[str, float]:
     }
 
 
+# micro_loss(micro-batch, the batch's totals, the micro-batch's share of the mini-batch) -> (loss, metrics)
+MicroLoss = Callable[[Batch, dict[str, float], float], tuple[torch.Tensor, dict[str, float]]]
+
+
 def run_updates(
     name: str,
     module: torch.nn.Module,
@@ -68,7 +72,7 @@ def run_updates(
     shuffle: bool,
     seed: int,
     grad_clip: float,
-    micro_loss: Callable[[Batch, dict[str, float], float], tuple[torch.Tensor, dict[str, float]]],
+    micro_loss: MicroLoss,
 ) -> dict[str, float]:
     """Run the loop; ``micro_loss(micro, batch_info, share)`` returns the micro-batch's part of the mini-batch's loss
     and its metrics (``share``: the micro-batch's rows / the rank's mini-batch rows, for a loss that is a micro-batch
