@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,29 @@ class LiveLinks:
         return self.found
 
 
+def run_ids(request: Request) -> list[str]:
+    """The runs a request names (``?run=<id>``, one or more); a LookupError (400) when it names none."""
+    ids = request.query_params.getlist("run")
+    if not ids:
+        raise LookupError("name at least one run: ?run=<run id>")
+    return ids
+
+
+def api(handler: Callable[[Request], Any]) -> Callable[[Request], Awaitable[JSONResponse]]:
+    """An endpoint answering ``handler(request)`` as JSON, computed in a thread (the store's reads block); a
+    LookupError is a 400 with its message, any other error a 404 that names it (the server never crashes on one)."""
+
+    async def endpoint(request: Request) -> JSONResponse:
+        try:
+            return JSONResponse(await run_in_threadpool(handler, request))
+        except LookupError as error:
+            return JSONResponse({"error": str(error)}, status_code=400)
+        except Exception as error:  # an unknown run or experiment, an unreadable artifact
+            return JSONResponse({"error": f"{type(error).__name__}: {error}"}, status_code=404)
+
+    return endpoint
+
+
 def create_app(
     tracking_uri: str,
     links: Links | None = None,
@@ -99,23 +123,6 @@ def create_app(
 
     def settings(request: Request) -> dict[str, Any]:
         return {**live_links(), "default_experiment": default_experiment, "tracking_uri": redact_text(tracking_uri)}
-
-    def run_ids(request: Request) -> list[str]:
-        ids = request.query_params.getlist("run")
-        if not ids:
-            raise LookupError("name at least one run: ?run=<run id>")
-        return ids
-
-    def api(handler):
-        async def endpoint(request: Request) -> JSONResponse:
-            try:
-                return JSONResponse(await run_in_threadpool(handler, request))  # reads block: off the event loop
-            except LookupError as error:
-                return JSONResponse({"error": str(error)}, status_code=400)
-            except Exception as error:  # an unknown run or experiment, an unreadable artifact: say so, do not crash
-                return JSONResponse({"error": f"{type(error).__name__}: {error}"}, status_code=404)
-
-        return endpoint
 
     routes = [
         Route("/", lambda request: FileResponse(STATIC / "index.html"), methods=["GET"]),
