@@ -22,7 +22,8 @@ from prefect.settings import PREFECT_API_URL
 from prefect.types.entrypoint import EntrypointType
 
 from flows.evaluate import evaluate
-from flows.sweep import parse_search_space, sweep
+from flows.sweep import sweep
+from flows.sweep_space import parse_search_space
 from flows.train import train
 
 

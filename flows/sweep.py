@@ -1,7 +1,7 @@
 """The sweep flow: many training runs over a grid or a search space, nested under one MLflow parent run, compared.
 
-The sweep is written as Hydra overrides, parsed by Hydra's own override parser: a plain ``key=value`` holds for
-every child, a sweep value varies.
+The sweep is written as Hydra overrides, parsed by Hydra's own override parser (:mod:`flows.sweep_space`): a plain
+``key=value`` holds for every child, a sweep value varies.
 
 * ``search="grid"``: every combination of the choice and range sweeps
   (``algorithm.adv_estimator=grpo,rloo actor_rollout_ref.actor.optim.lr=1e-5,3e-5`` -> 4 children);
@@ -22,8 +22,6 @@ a Prefect markdown artifact and ``comparison.md`` / ``comparison.json`` on the p
 from __future__ import annotations
 
 import functools
-import hashlib
-import itertools
 import json
 import math
 import tempfile
@@ -32,9 +30,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.override_parser.types import IntervalSweep, Override
-from hydra.errors import HydraException
 from mlflow.entities import Param, RunTag
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig
@@ -42,9 +37,9 @@ from prefect import flow, runtime
 from prefect.artifacts import create_markdown_artifact
 from prefect.deployments import run_deployment
 
-from flows.config import ConfigError, compose_config
 from flows.parameters import hydra_value
 from flows.prefect_view import PrefectRunView, mlflow_run_url, one_line
+from flows.sweep_space import SearchSpace, check_sweep, suggest, sweep_name
 from flows.tracking import experiment_id, metric_key, open_store, tracking_uri
 from flows.train import train
 from rl_core.remote_folder import is_remote
@@ -52,29 +47,6 @@ from rl_core.step_checkpoint import run_checkpoints
 
 TRAIN_DEPLOYMENT = "ppoflow-train/train"
 SCORE_METRIC = "critic/score/mean"
-# keys the sweep sets for each child (its run name, checkpoint folder, store): a sweep cannot vary them
-SET_BY_SWEEP = (
-    "trainer.project_name",
-    "trainer.experiment_name",
-    "trainer.default_local_dir",
-    "trainer.tracking_uri",
-    "trainer.artifact_location",
-    "trainer.resume_mode",
-    "trainer.resume_from_path",
-)
-
-
-class SweepError(ValueError):
-    """The sweep's overrides, search or metric cannot make a sweep."""
-
-
-@dataclass
-class SearchSpace:
-    fixed: list[str]  # overrides every child gets
-    swept: list[Override]  # the keys that vary, as Hydra parsed them
-
-    def keys(self) -> list[str]:
-        return [override.key_or_group for override in self.swept]
 
 
 @dataclass
@@ -85,67 +57,6 @@ class ChildResult:
     run_id: str | None = None
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
-
-
-# ---------------------------------------------------------------------------------------------- the search space
-def parse_search_space(overrides: list[str], search: str) -> SearchSpace:
-    """Split ``overrides`` into fixed ones and swept keys; refuses what cannot make this kind of sweep."""
-    try:
-        parsed = OverridesParser.create().parse_overrides(list(overrides))
-    except HydraException as error:
-        raise SweepError(
-            f"{str(error).splitlines()[0]}: write key=a,b (or range(...), interval(...)) in Hydra's syntax"
-        ) from None
-    fixed, swept = [], []
-    for override in parsed:
-        key = override.key_or_group
-        if override.is_sweep_override():
-            if key in SET_BY_SWEEP:
-                raise SweepError(
-                    f"{key} cannot vary in a sweep: the sweep sets it for each child (run name, checkpoint folder, "
-                    "store)"
-                )
-            if key in [other.key_or_group for other in swept]:
-                raise SweepError(f"{key} is swept twice; give its values in one override ({key}=a,b,c)")
-            if search == "grid" and isinstance(override.value(), IntervalSweep):
-                raise SweepError(
-                    f"{override.input_line}: an interval has no grid; list values ({key}=a,b) or use search=random or "
-                    "tpe"
-                )
-            swept.append(override)
-        else:
-            fixed.append(override.input_line)
-    if not swept:
-        raise SweepError(
-            "the sweep varies nothing: give at least one key several values (e.g. algorithm.adv_estimator=grpo,rloo)"
-        )
-    return SearchSpace(fixed, swept)
-
-
-def grid(space: SearchSpace) -> list[list[str]]:
-    """Every combination of the swept values, as each child's overrides (first key slowest)."""
-    values = [
-        [f"{override.key_or_group}={value}" for value in override.sweep_string_iterator()] for override in space.swept
-    ]
-    return [list(combination) for combination in itertools.product(*values)]
-
-
-def suggest(trial: Any, space: SearchSpace) -> list[str]:
-    """A child's overrides drawn by the Optuna ``trial``: categorical for choices and ranges, float for intervals."""
-    chosen = []
-    for override in space.swept:
-        key, value = override.key_or_group, override.value()
-        if isinstance(value, IntervalSweep):
-            number = trial.suggest_float(key, float(value.start), float(value.end), log="log" in value.tags)
-            chosen.append(f"{key}={number!r}")
-        else:
-            chosen.append(f"{key}={trial.suggest_categorical(key, list(override.sweep_string_iterator()))}")
-    return chosen
-
-
-def sweep_name(overrides: list[str], search: str) -> str:
-    """A default name that is the same for the same sweep (started again, it continues)."""
-    return f"sweep-{search}-" + hashlib.sha1(json.dumps([search, *overrides]).encode()).hexdigest()[:8]
 
 
 def optuna_storage(config: DictConfig) -> str:
@@ -325,37 +236,6 @@ def curves_png(client: MlflowClient, results: list[ChildResult], metric: str, pa
 
 
 # ---------------------------------------------------------------------------------------------- the flow
-def check_sweep(
-    overrides: list[str], search: str = "grid", trials: int = 8, direction: str = "max"
-) -> tuple[SearchSpace, DictConfig, list[list[str]] | None]:
-    """(search space, the fixed overrides' config, the grid's children or None for a search), every child's config
-    checked before any child runs; a :class:`SweepError` naming the override otherwise."""
-    if search not in ("grid", "random", "tpe") or direction not in ("max", "min"):
-        raise SweepError(
-            f"search={search!r}, direction={direction!r}: search is grid, random or tpe; direction is max or min"
-        )
-    if search != "grid" and trials < 1:
-        raise SweepError(f"trials={trials}: a {search} search needs at least one trial")
-    space = parse_search_space(overrides, search)
-    try:
-        base = compose_config(space.fixed)
-    except ConfigError as error:
-        raise SweepError(f"the sweep's fixed overrides: {error}") from None
-    candidates = grid(space) if search == "grid" else None
-    for child in candidates or [
-        [
-            f"{o.key_or_group}={next(iter(o.sweep_string_iterator()))}"
-            for o in space.swept
-            if not isinstance(o.value(), IntervalSweep)
-        ]
-    ]:
-        try:
-            compose_config(space.fixed + child)
-        except ConfigError as error:
-            raise SweepError(f"child {' '.join(child)}: {error}") from None
-    return space, base, candidates
-
-
 def run_sweep(
     overrides: list[str],
     search: str = "grid",

@@ -14,7 +14,7 @@ def _serve(args: argparse.Namespace) -> int:
     configure_prefect()
     use_stack()
     from flows.deployments import PrefectUnavailableError, serve_deployments
-    from flows.sweep import SweepError
+    from flows.sweep_space import SweepError
 
     options = {
         "search": args.sweep_search,

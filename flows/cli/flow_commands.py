@@ -96,7 +96,7 @@ def _train(args: argparse.Namespace) -> int:
 
 def _sweep(args: argparse.Namespace) -> int:
     print(f"ppoflow sweep: using {prefect_and_stack(args)}", flush=True)
-    from flows.sweep import SweepError, check_sweep
+    from flows.sweep_space import SweepError, check_sweep
     from flows.train import summary_line
 
     try:

@@ -1,5 +1,6 @@
-"""Sweeps (flows/sweep.py) and evaluation (flows/evaluate.py): the search space as Hydra parses it, and real sweeps of
-short training runs nested under one MLflow parent run (real Prefect API, Ray head, MLflow on SQLite)."""
+"""Sweeps (flows/sweep.py, flows/sweep_space.py) and evaluation (flows/evaluate.py): the search space as Hydra parses
+it, and real sweeps of short training runs nested under one MLflow parent run (real Prefect API, Ray head, MLflow on
+SQLite)."""
 
 import json
 import math
@@ -15,17 +16,8 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 from flows.config import compose_config
 from flows.demo import ensure_demo_data
 from flows.evaluate import EvaluationSourceError, evaluate
-from flows.sweep import (
-    ChildResult,
-    SweepError,
-    check_sweep,
-    grid,
-    parse_search_space,
-    ranked,
-    resolve_metric,
-    suggest,
-    sweep,
-)
+from flows.sweep import ChildResult, ranked, resolve_metric, sweep
+from flows.sweep_space import SweepError, check_sweep, grid, parse_search_space, suggest
 from flows.workers import WORKERS_NAMESPACE_TAG
 
 METRIC = "actor/entropy"  # differs between the children of these short runs (the validation accuracy often does not)
