@@ -94,9 +94,18 @@ _background: _BackgroundConnect | None = None
 
 def connect_in_background(address: str | None = None, num_cpus: int | None = None) -> None:
     """Begin :func:`connect` now, in a thread, so that the cluster boots while this process imports and starts its other
-    services (a local cluster takes ~5 s to start, mostly waiting); the next :func:`connect` waits for it."""
+    services (a local cluster takes ~5 s to start, mostly waiting); the next :func:`connect` waits for it.
+
+    Ray's serialization context is made first, in the calling thread: its set-up imports the libraries Ray has
+    serializers for (pydantic with its v1 fields, pyarrow, starlette), which the process's first Ray call would
+    otherwise import in whichever thread makes it (a worker group started in a thread) while this thread imports the
+    same libraries (Prefect's flow decorator, MLflow's pandas). Modules that import each other, imported by two threads
+    at once, fail: "cannot import name 'Field' from partially initialized module 'pydantic.v1.fields'" (seen)."""
     global _background
     if _background is None and not ray.is_initialized():
+        from ray._private.worker import global_worker
+
+        global_worker.get_serialization_context()  # kept for the job once connected (Ray moves it over)
         _background = _BackgroundConnect(address, num_cpus)
 
 

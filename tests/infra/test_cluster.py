@@ -40,6 +40,7 @@ def test_a_connection_begun_in_the_background_is_the_one_connect_waits_for(ray_a
     """`ppoflow train` starts connecting at once, in a thread; the flow's connect() then waits for that connection, or
     reports why it failed."""
     result = run_python(f"""
+        import sys
         import ray
         from infra import cluster
         cluster.connect_in_background("127.0.0.1:1")
@@ -51,11 +52,16 @@ def test_a_connection_begun_in_the_background_is_the_one_connect_waits_for(ray_a
         cluster.connect_in_background("{ray_address}")
         address = cluster.connect("{ray_address}")
         assert cluster._background.thread.is_alive()  # the thread that connected outlives the connection's start
+        before = set(sys.modules)
         print("connected to", address, "in", cluster._background.thread.name, ray.get(ray.put(41)) + 1)
+        # the first call imports no library (the flow's threads import them: connect_in_background made Ray's
+        # serialization context, which imports them, in the thread that called it)
+        print("imported by the first call:", sorted({{name.split(".")[0] for name in set(sys.modules) - before}}))
     """)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "foreground: ray address 127.0.0.1:1 did not answer within 2s" in result.stdout
     assert f"connected to {ray_address} in ppoflow-ray-connect 42" in result.stdout
+    assert "imported by the first call: []" in result.stdout
     # Ray's warning about connecting from a thread: not for users
     assert "SIGTERM handler is not set" not in result.stderr
 
