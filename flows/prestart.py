@@ -87,6 +87,7 @@ def _make(started: Prestarted, config: DictConfig) -> None:
         workers_started = _start_workers(copy.deepcopy(config))
         from flows.inputs import TrainingInputs, plan_steps
 
+        import_data_readers()
         started.imported.set()
         apply_embedded_defaults(config)  # the demo's assets: built once (their lines are the run's first), then cached
         started.inputs_record = _record(config)
@@ -133,6 +134,15 @@ def _start_workers(config: DictConfig) -> Callable[[], Any]:
         return result.get("group")
 
     return started_group
+
+
+def import_data_readers() -> None:
+    """Import what reading the run's data files imports (pyarrow's parquet reader, whose dataset module brings pandas),
+    which the flow's modules import too (MLflow imports pandas). The prestart reads them while the command imports the
+    flow (:func:`wait_for_imports`), and two threads importing the same modules at once can fail ("cannot import name
+    ... from partially initialized module"): after this, loading the inputs imports none of the flow's modules."""
+    import pyarrow.dataset  # noqa: F401
+    import pyarrow.parquet  # noqa: F401
 
 
 def wait_for_imports() -> None:

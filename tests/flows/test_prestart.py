@@ -3,6 +3,10 @@ Prefect's server boots): the session takes the very worker processes when its co
 otherwise, with nothing left behind either way. The command's own path (prestart, then the flow) runs in the stack and
 controller-crash tests."""
 
+import json
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import ray
@@ -13,6 +17,7 @@ from flows.config import compose_config
 from flows.train import train
 from flows.workers import PREFIX, WORKERS_NAMESPACE_TAG, workers_namespace
 from rl_core.step_checkpoint import LOCK_FILE
+from tests.conftest import ROOT
 
 
 def prestarted_rank0(config):
@@ -70,3 +75,45 @@ def test_workers_prestarted_for_another_config_are_ended_not_used(run_overrides)
     assert run.data.tags["ppoflow.worker_pids"] != str(pid) and run.info.status == "FINISHED"
     assert not actors_in(workers_namespace(other))
     assert (Path(compose_config(overrides).trainer.default_local_dir) / LOCK_FILE).read_text() == ""  # let go
+
+
+def test_loading_the_inputs_imports_none_of_the_flows_modules(demo_cache):
+    """The prestart loads the inputs while the command imports the flow: a module both import could be imported by
+    two threads at once, which can fail. Each part's new modules, after the prestart's imports, in a process of its
+    own (a module imports once per process)."""
+    common = textwrap.dedent(f"""
+        import json, sys
+        from flows import prestart
+        from flows.config import compose_config
+        import flows.inputs, flows.workers
+        config = compose_config(["trainer.cache_dir={demo_cache}"])  # the command's, before its threads start
+        prestart.import_data_readers()
+        before = set(sys.modules)
+    """)
+    parts = {
+        "flow": "import flows.train",
+        "inputs": textwrap.dedent("""
+            from flows.demo import apply_embedded_defaults
+            from flows.inputs import TrainingInputs
+            apply_embedded_defaults(config)
+            assert len(TrainingInputs.load(config).train_data) > 0
+        """),
+    }
+    processes = {
+        name: subprocess.Popen(
+            [sys.executable, "-c", common + code + "\nprint(json.dumps(sorted(set(sys.modules) - before)))"],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, code in parts.items()
+    }
+    imported = {}
+    for name, process in processes.items():
+        out, err = process.communicate(timeout=180)
+        assert process.returncode == 0, err[-2000:]
+        imported[name] = set(json.loads(out.strip().splitlines()[-1]))
+    assert "mlflow" in imported["flow"]  # what the flow imports after the prestart: MLflow, Prefect, ...
+    both = imported["inputs"] & imported["flow"]
+    assert imported["inputs"] and not both, sorted(both)
