@@ -88,8 +88,10 @@ def _make(started: Prestarted, config: DictConfig) -> None:
         from flows.inputs import TrainingInputs, plan_steps
 
         import_data_readers()
+        # the demo's assets, built once (their lines are the run's first), then cached: before the command imports the
+        # flow, as writing the data imports pandas (pyarrow's conversions), which MLflow imports too
+        apply_embedded_defaults(config)
         started.imported.set()
-        apply_embedded_defaults(config)  # the demo's assets: built once (their lines are the run's first), then cached
         started.inputs_record = _record(config)
         started.inputs = TrainingInputs.load(config)
         plan_steps(config, len(started.inputs.train_data))
@@ -137,11 +139,11 @@ def _start_workers(config: DictConfig) -> Callable[[], Any]:
 
 
 def import_data_readers() -> None:
-    """Import what reading the run's data files imports (pyarrow's parquet reader, whose dataset module brings pandas),
-    which the flow's modules import too (MLflow imports pandas). The prestart reads them while the command imports the
-    flow (:func:`wait_for_imports`), and two threads importing the same modules at once can fail ("cannot import name
-    ... from partially initialized module"): after this, loading the inputs imports none of the flow's modules."""
-    import pyarrow.dataset  # noqa: F401
+    """Import what reading the run's data files imports (pyarrow's parquet reader and its file systems), which the
+    flow's modules import too (MLflow's pandas imports pyarrow's file systems). The prestart reads them while the
+    command imports the flow (:func:`wait_for_imports`), and two threads importing the same modules at once can fail
+    ("cannot import name ... from partially initialized module"): after this, loading the inputs imports none of the
+    flow's modules."""
     import pyarrow.parquet  # noqa: F401
 
 

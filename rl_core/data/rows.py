@@ -20,7 +20,7 @@ def read_rows(path: str | Path) -> list[dict]:
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
+        return pq.ParquetFile(path).read().to_pylist()  # not pq.read_table: its dataset reader imports pandas (~0.15 s)
     if path.suffix in (".jsonl", ".json"):
         rows = []
         with path.open() as handle:

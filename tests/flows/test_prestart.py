@@ -14,6 +14,7 @@ from mlflow.tracking import MlflowClient
 
 from flows import prestart
 from flows.config import compose_config
+from flows.demo import apply_embedded_defaults
 from flows.train import train
 from flows.workers import PREFIX, WORKERS_NAMESPACE_TAG, workers_namespace
 from rl_core.step_checkpoint import LOCK_FILE
@@ -79,23 +80,29 @@ def test_workers_prestarted_for_another_config_are_ended_not_used(run_overrides)
 
 def test_loading_the_inputs_imports_none_of_the_flows_modules(demo_cache):
     """The prestart loads the inputs while the command imports the flow: a module both import could be imported by
-    two threads at once, which can fail. Each part's new modules, after the prestart's imports, in a process of its
-    own (a module imports once per process)."""
+    two threads at once, which can fail. Each part's new modules after the prestart's imports, in a process of its own
+    (a module imports once per process), for a user's own model and data files (the demo's assets are built before
+    the command imports the flow)."""
+    demo = compose_config([f"trainer.cache_dir={demo_cache}"])
+    apply_embedded_defaults(demo, log=lambda line: None)
+    own_files = [  # a user's model and data files: nothing for the prestart to build before the flow's import
+        f"actor_rollout_ref.model.path={demo.actor_rollout_ref.model.path}",
+        f"data.train_files={demo.data.train_files}",
+        f"data.val_files={demo.data.val_files}",
+    ]
     common = textwrap.dedent(f"""
         import json, sys
         from flows import prestart
         from flows.config import compose_config
         import flows.inputs, flows.workers
-        config = compose_config(["trainer.cache_dir={demo_cache}"])  # the command's, before its threads start
+        config = compose_config({own_files!r})  # the command's, before its threads start
         prestart.import_data_readers()
         before = set(sys.modules)
     """)
     parts = {
         "flow": "import flows.train",
         "inputs": textwrap.dedent("""
-            from flows.demo import apply_embedded_defaults
             from flows.inputs import TrainingInputs
-            apply_embedded_defaults(config)
             assert len(TrainingInputs.load(config).train_data) > 0
         """),
     }
