@@ -50,17 +50,19 @@ def test_tools_call_runs_one_call_of_a_built_in_or_configured_tool(tmp_path):
 
 
 def test_a_refusal_imports_neither_torch_nor_ray_nor_prefect(tmp_path):
-    """What keeps a refusal in seconds: the checks of bad values and missing files import none of the heavy packages
-    (bench/refusals.py times them)."""
+    """What keeps a refusal in seconds: the checks of bad values and missing files (and of a sweep) import none of the
+    heavy packages (bench/refusals.py times them)."""
     heavy = ("torch", "transformers", "ray", "prefect", "mlflow")
-    for override in (
-        "data.train_batch_size=0",
-        f"data.train_files={tmp_path}/missing.parquet",
-        "algorithm.adv_estimator=grop",  # the registries' names are read from their modules' source
+    folder = f"trainer.default_local_dir={tmp_path}/checkpoints"
+    for command in (
+        ["train", "data.train_batch_size=0", folder],
+        ["train", f"data.train_files={tmp_path}/missing.parquet", folder],
+        ["train", "algorithm.adv_estimator=grop", folder],  # the registries' names are read from their modules' source
+        ["sweep", "algorithm.adv_estimator=grpo"],  # a sweep that varies nothing
     ):
         code = (
             "import sys\nfrom flows.cli import main\n"
-            f"code = main(['train', {override!r}, 'trainer.default_local_dir={tmp_path}/checkpoints'])\n"
+            f"code = main({command!r})\n"
             f"print(code, [name for name in {heavy!r} if name in sys.modules])"
         )
         result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)

@@ -95,15 +95,17 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    print(f"ppoflow sweep: using {prefect_and_stack(args)}", flush=True)
+    print(f"ppoflow sweep: using {prefect_and_stack(args, console=False)}", flush=True)
     from flows.sweep_space import SweepError, check_sweep
-    from flows.train import summary_line
 
     try:
-        # a bad sweep: a one-line error before Prefect starts
+        # a bad sweep: a one-line error before Prefect or the flow's modules import
         check_sweep(args.overrides, args.search, args.trials, args.direction)
+        if not args.verbose:
+            console_without_tracebacks()
         server_ready = start_temporary_server()
         from flows.sweep import sweep
+        from flows.train import summary_line
 
         server_ready()
 
