@@ -79,3 +79,47 @@ def test_the_resume_check_of_a_fresh_run_imports_neither_mlflow_nor_torch(tmp_pa
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert result.stdout.splitlines()[-1] == "None []", result.stdout + result.stderr
+
+
+LOST_STOP = """
+import os, signal, sys, time, weakref
+from flows.cli.flow_commands import _stop_on_signals
+received = _stop_on_signals()
+
+
+def callback(ref):
+    os.kill(os.getpid(), signal.SIGTERM)  # handled inside this callback, where Python ignores what is raised
+    sum(range(1000))
+
+
+def run():
+    thing = type("Thing", (), {})()
+    keep = weakref.ref(thing, callback)
+    del thing
+    time.sleep(5)
+    return "went on"
+
+
+try:
+    if sys.argv[1] == "flow":  # Prefect's SIGTERM handler, as during a flow run
+        from prefect.utilities.engine import capture_sigterm
+
+        with capture_sigterm():
+            print(run())
+    else:
+        print(run())
+except KeyboardInterrupt as stop:
+    print(stop, received)
+"""
+
+
+def test_a_stop_raised_where_python_ignores_it_is_raised_again():
+    """A signal's handler may run inside a weakref callback or a finalizer, whose exception Python ignores: the stop
+    is then sent again (a killed command's run had waited out its Ray time-out), ours or Prefect's during a flow."""
+    runs = [
+        subprocess.Popen([sys.executable, "-c", LOST_STOP, where], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        for where in ("command", "flow")
+    ]
+    for run in runs:
+        out, _ = run.communicate(timeout=120)
+        assert out.strip().splitlines()[-1] == "stopped by SIGTERM [15]", out

@@ -7,8 +7,10 @@ import argparse
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
+from typing import Any
 
 from flows.cli.stack_commands import use_stack
 from flows.prefect_server import (
@@ -156,17 +158,40 @@ class Interrupted(KeyboardInterrupt):
 def _stop_on_signals() -> list[int]:
     """The first SIGINT/SIGTERM raises :class:`Interrupted` in the main thread; a second one exits at once (the
     watchdog then ends what the command started). Returns the signals received (Ray's waits turn the handler's
-    Interrupted into a plain KeyboardInterrupt: the list says which signal it was)."""
+    Interrupted into a plain KeyboardInterrupt: the list says which signal it was).
+
+    A handler runs wherever the main thread is, a weakref callback or a finalizer included, and Python ignores what
+    those raise ("Exception ignored in ..."): the stop would be lost and the run go on (seen: a killed command's run
+    waited out its Ray time-out). Such a lost stop, this handler's or Prefect's (its SIGTERM handler raises
+    TerminationSignal during a flow run), sends the signal again, to be raised where the main thread is then."""
     received: list[int] = []
+    lost: list[int] = []  # an Interrupted that Python ignored: the signal is sent again, and raises again
 
     def stop(signum: int, frame: object) -> None:
-        if received:
+        if received and not lost:
             os._exit(128 + signum)
-        received.append(signum)
+        if lost:
+            lost.clear()
+        else:
+            received.append(signum)
         raise Interrupted(signum)
+
+    default_hook = sys.unraisablehook
+
+    def signal_again(unraisable: Any) -> None:
+        error = unraisable.exc_value
+        signum = getattr(error, "signum", None) or getattr(error, "signal", None)
+        if not (isinstance(error, Interrupted) or type(error).__name__ == "TerminationSignal") or signum is None:
+            default_hook(unraisable)
+            return
+        if isinstance(error, Interrupted):
+            lost.append(signum)
+        # from a thread, a moment later: sent from here it would be handled here, inside the hook, and lost again
+        threading.Timer(0.05, os.kill, (os.getpid(), signum)).start()
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
+    sys.unraisablehook = signal_again
     return received
 
 
