@@ -101,8 +101,8 @@ def test_each_chunk_of_each_rank_is_sampled_with_its_own_seed(policy, prompts, c
     engine = build_rollout_engine(
         "hf", model=model, tokenizer=tokenizer, rollout_config=config.actor_rollout_ref.rollout
     )
-    used = []
-    monkeypatch.setattr(torch, "manual_seed", lambda seed: used.append(seed))
+    used, draw = [], engine._draw
+    monkeypatch.setattr(engine, "_draw", lambda *args, **kwargs: used.append(args[3]) or draw(*args, **kwargs))
     for rank in (0, 1):
         monkeypatch.setattr(hf_engine, "data_parallel_rank", lambda rank=rank: rank)
         engine.generate_sequences(prompts.repeat_interleave(2))

@@ -1,0 +1,148 @@
+"""The KV-cache decoding loop (rl_core.rollout.kv_decode) draws the tokens transformers' ``generate`` draws: each family
+it runs, sampled and greedy, left-padded rows, stop tokens, the rollout's processors and the log-prob recorder, a
+stopping criterion, a LoRA adapter; the HF engine uses it where it runs and ``generate`` elsewhere."""
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoConfig, AutoModelForCausalLM, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+
+from rl_core.config import RolloutConfig
+from rl_core.models.loading import load_policy_model
+from rl_core.rollout import build_rollout_engine, hf_engine
+from rl_core.rollout.base import SamplingParams, sampling_params
+from rl_core.rollout.hf_engine import SampledTokenLogProbs, sampling_processors
+from rl_core.rollout.kv_decode import KV_DECODE_MODEL_TYPES, kv_decodable, kv_generate
+
+STOPS, PAD, WIDTH, BUDGET = [7, 9], 0, 7, 12
+
+
+def random_model(model_type: str, **settings) -> torch.nn.Module:
+    config = AutoConfig.for_model(
+        model_type,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=50,
+        head_dim=16,
+        **settings,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def left_padded(rows: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(3, 50, (rows, WIDTH), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    for row, padding in enumerate([0, 3, 1, 6, 0, 2, 0, 4][:rows]):
+        input_ids[row, :padding], attention_mask[row, :padding] = PAD, 0
+    return input_ids, attention_mask
+
+
+def draw(model, do_sample: bool, stopping: StoppingCriteria | None = None, kv: bool = True):
+    """(sequences, recorded log-probs) from kv_generate (its own generator) or generate (the global one), same seed,
+    processors and stop tokens."""
+    input_ids, attention_mask = left_padded()
+    recorder = SampledTokenLogProbs()
+    params = SamplingParams(do_sample=do_sample, temperature=0.9, top_k=20, top_p=0.95)
+    processors = LogitsProcessorList([*sampling_processors(params), recorder])
+    criteria = StoppingCriteriaList([stopping] if stopping else [])
+    if kv:
+        generator = torch.Generator().manual_seed(5)
+        sequences = kv_generate(
+            model, input_ids, attention_mask, BUDGET, do_sample, processors, criteria, STOPS, PAD, generator
+        )
+    else:
+        torch.manual_seed(5)
+        sequences = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=BUDGET,
+            do_sample=do_sample,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            eos_token_id=STOPS,
+            pad_token_id=PAD,
+            logits_processor=processors,
+            stopping_criteria=criteria,
+        )
+    return sequences, recorder.log_probs(sequences[:, WIDTH:])
+
+
+def assert_same_draws(ours, theirs) -> None:
+    assert torch.equal(ours[0], theirs[0])
+    torch.testing.assert_close(ours[1], theirs[1], rtol=0, atol=1e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize("model_type", sorted(KV_DECODE_MODEL_TYPES))
+@pytest.mark.parametrize("do_sample", [True, False])
+def test_the_kv_loop_draws_what_generate_draws(model_type, do_sample):
+    model = random_model(model_type, attention_bias=model_type == "llama")
+    ours = draw(model, do_sample)
+    assert_same_draws(ours, draw(model, do_sample, kv=False))
+    generated = ours[0][:, WIDTH:]
+    assert generated.shape[1] > 1 and generated.unique().numel() > 3  # real draws, not one repeated token
+    if do_sample:  # a row that stopped is padded after its stop token, as generate pads it
+        stopped = torch.isin(generated, torch.tensor(STOPS)).any(-1)
+        assert stopped.any() and (~stopped).any()
+
+
+class StopAtColumn(StoppingCriteria):
+    """Ends every row once the sequences reach ``width`` columns (as a partial rollout's criterion ends a call)."""
+
+    def __init__(self, width: int) -> None:
+        self.width = width
+
+    def __call__(self, input_ids, scores, **kwargs) -> torch.BoolTensor:
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.width, dtype=torch.bool)
+
+
+def test_a_stopping_criterion_ends_the_call_where_generate_ends_it():
+    model = random_model("qwen2")
+    ours = draw(model, True, StopAtColumn(WIDTH + 4))
+    assert ours[0].shape[1] == WIDTH + 4
+    assert_same_draws(ours, draw(model, True, StopAtColumn(WIDTH + 4), kv=False))
+
+
+def test_a_lora_adapter_is_applied_in_the_kv_loop():
+    model = get_peft_model(random_model("llama"), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.5)
+    ours = draw(model, False)
+    assert_same_draws(ours, draw(model, False, kv=False))
+    with model.disable_adapter():
+        assert not torch.equal(draw(model, False)[0], ours[0])
+
+
+def test_what_the_kv_loop_does_not_run():
+    assert kv_decodable(random_model("qwen2"), 10_000)
+    assert not kv_decodable(random_model("phi3", pad_token_id=0), 16)  # another family: generate
+    windowed = random_model("mistral", sliding_window=12)
+    assert kv_decodable(windowed, 12) and not kv_decodable(windowed, 13)  # the window would be reached
+    layered = random_model("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    assert not kv_decodable(layered, 16)
+
+
+def test_the_hf_engine_draws_with_the_kv_loop_where_it_runs(config, monkeypatch):
+    """On the project's tiny Qwen2 the engine's rollout goes through kv_generate (never generate); with
+    rollout.enforce_eager=false on the CPU too (no compiled decode there)."""
+    model, tokenizer = load_policy_model(config.actor_rollout_ref.model)
+    calls = []
+    monkeypatch.setattr(
+        hf_engine, "kv_generate", lambda *args, **kwargs: calls.append(args) or kv_generate(*args, **kwargs)
+    )
+    monkeypatch.setattr(model, "generate", lambda **_: pytest.fail("generate ran"))
+    for eager in (True, False):
+        rollout = RolloutConfig(enforce_eager=eager, response_length=4, calculate_log_probs=True)
+        engine = build_rollout_engine("hf", model=model, tokenizer=tokenizer, rollout_config=rollout)
+        samples = engine.generate_tokens([[5, 6, 7], [8]], [4, 2], sampling_params(rollout, {}), seed=3)
+        assert [len(sample.token_ids) <= budget for sample, budget in zip(samples, [4, 2])] == [True, True]
+        assert all(len(sample.log_probs) == len(sample.token_ids) for sample in samples)
+    assert len(calls) == 2
