@@ -1,6 +1,7 @@
-"""The KV-cache decoding loop (rl_core.rollout.kv_decode) draws the tokens transformers' ``generate`` draws: each family
-it runs, sampled and greedy, left-padded rows, stop tokens, the rollout's processors and the log-prob recorder, a
-stopping criterion, a LoRA adapter; the HF engine uses it where it runs and ``generate`` elsewhere."""
+"""The KV-cache decoding loop (rl_core.rollout.kv_decode) computes what transformers' ``generate`` computes: greedy, the
+same tokens and log-probs on each family it runs (left-padded rows, stop tokens, a stopping criterion, a LoRA
+adapter); sampled, log-probs equal to a full forward's over the drawn tokens, drawn from the processed distribution
+(checked against the probabilities); the HF engine uses it where it runs and ``generate`` elsewhere."""
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from rl_core.models.loading import load_policy_model
 from rl_core.rollout import build_rollout_engine, hf_engine
 from rl_core.rollout.base import SamplingParams, sampling_params
 from rl_core.rollout.hf_engine import SampledTokenLogProbs, sampling_processors
-from rl_core.rollout.kv_decode import KV_DECODE_MODEL_TYPES, kv_decodable, kv_generate
+from rl_core.rollout.kv_decode import KV_DECODE_MODEL_TYPES, draw_categorical, kv_decodable, kv_generate
 
 STOPS, PAD, WIDTH, BUDGET = [7, 9], 0, 7, 12
 
@@ -44,8 +45,7 @@ def left_padded(rows: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def draw(model, do_sample: bool, stopping: StoppingCriteria | None = None, kv: bool = True):
-    """(sequences, recorded log-probs) from kv_generate (its own generator) or generate (the global one), same seed,
-    processors and stop tokens."""
+    """(sequences, recorded log-probs) from kv_generate or generate, same processors and stop tokens."""
     input_ids, attention_mask = left_padded()
     recorder = SampledTokenLogProbs()
     params = SamplingParams(do_sample=do_sample, temperature=0.9, top_k=20, top_p=0.95)
@@ -80,16 +80,56 @@ def assert_same_draws(ours, theirs) -> None:
 
 
 @pytest.mark.parametrize("model_type", sorted(KV_DECODE_MODEL_TYPES))
-@pytest.mark.parametrize("do_sample", [True, False])
-def test_the_kv_loop_draws_what_generate_draws(model_type, do_sample):
+def test_greedy_the_kv_loop_gives_what_generate_gives(model_type):
     model = random_model(model_type, attention_bias=model_type == "llama")
-    ours = draw(model, do_sample)
-    assert_same_draws(ours, draw(model, do_sample, kv=False))
+    ours = draw(model, do_sample=False)
+    assert_same_draws(ours, draw(model, do_sample=False, kv=False))
     generated = ours[0][:, WIDTH:]
-    assert generated.shape[1] > 1 and generated.unique().numel() > 3  # real draws, not one repeated token
-    if do_sample:  # a row that stopped is padded after its stop token, as generate pads it
-        stopped = torch.isin(generated, torch.tensor(STOPS)).any(-1)
-        assert stopped.any() and (~stopped).any()
+    assert generated.shape[1] > 1 and generated.unique().numel() > 3  # real tokens, not one repeated
+    stopped = torch.isin(generated, torch.tensor(STOPS)).any(-1)
+    assert stopped.any() and (~stopped).any()  # rows that stopped (padded after, as generate pads) and rows that ran
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "llama"])
+def test_sampled_log_probs_are_a_full_forwards_over_the_drawn_tokens(model_type):
+    """The recorded log-probs of sampled tokens (temperature, top-k, top-p) equal those of one padded forward of the
+    whole sequences through transformers, the same processors applied: the cache holds what a full forward sees."""
+    model = random_model(model_type)
+    sequences, recorded = draw(model, do_sample=True)
+    input_ids, attention_mask = left_padded()
+    mask = torch.cat([attention_mask, torch.ones_like(sequences[:, WIDTH:])], dim=-1)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=sequences, attention_mask=mask, position_ids=positions).logits[:, WIDTH - 1 : -1]
+    processors = sampling_processors(SamplingParams(do_sample=True, temperature=0.9, top_k=20, top_p=0.95))
+    expected = []
+    for step in range(logits.shape[1]):
+        scores = logits[:, step].float()
+        for processor in processors:
+            scores = processor(sequences[:, : WIDTH + step], scores)
+        expected.append(scores.log_softmax(-1).gather(-1, sequences[:, WIDTH + step, None]).squeeze(-1))
+    generated = sequences[:, WIDTH:]
+    is_stop = torch.isin(generated, torch.tensor(STOPS)).long()
+    live = torch.cumsum(is_stop, -1) - is_stop == 0  # up to and including each row's first stop token
+    assert live.sum() > 20 and (~live).any()  # tokens up to each row's stop, and padding after some
+    torch.testing.assert_close(recorded[live], torch.stack(expected, 1)[live], rtol=0, atol=1e-4)
+
+
+def test_a_categorical_draw_follows_the_probabilities_and_never_draws_an_excluded_token():
+    """40,000 draws per row against softmax(scores): each frequency within 5 standard errors; a -inf score is never
+    drawn, nor in a row whose whole mass sits on one token; the same generator seed draws the same tokens."""
+    scores = torch.tensor(
+        [[0.0, 1.0, 2.0, -float("inf"), 0.5], [3.0, -float("inf"), -1.0, 0.0, -float("inf")], [-float("inf")] * 4 + [0]]
+    )
+    draws = 40_000
+    tokens = draw_categorical(scores.repeat_interleave(draws, 0), torch.Generator().manual_seed(0)).view(3, draws)
+    probabilities = scores.softmax(-1)
+    counts = torch.stack([torch.bincount(row, minlength=5) for row in tokens]).double() / draws
+    standard_error = (probabilities * (1 - probabilities) / draws).sqrt().double()
+    assert ((counts - probabilities.double()).abs() <= 5 * standard_error + 1e-12).all()
+    assert counts[probabilities == 0].sum() == 0 and (tokens[2] == 4).all()
+    again = draw_categorical(scores.repeat_interleave(draws, 0), torch.Generator().manual_seed(0)).view(3, draws)
+    assert torch.equal(tokens, again)
 
 
 class StopAtColumn(StoppingCriteria):
@@ -104,9 +144,10 @@ class StopAtColumn(StoppingCriteria):
 
 def test_a_stopping_criterion_ends_the_call_where_generate_ends_it():
     model = random_model("qwen2")
-    ours = draw(model, True, StopAtColumn(WIDTH + 4))
+    ours = draw(model, False, StopAtColumn(WIDTH + 4))
     assert ours[0].shape[1] == WIDTH + 4
-    assert_same_draws(ours, draw(model, True, StopAtColumn(WIDTH + 4), kv=False))
+    assert_same_draws(ours, draw(model, False, StopAtColumn(WIDTH + 4), kv=False))
+    assert draw(model, True, StopAtColumn(WIDTH + 3))[0].shape[1] == WIDTH + 3
 
 
 def test_a_lora_adapter_is_applied_in_the_kv_loop():
