@@ -1,5 +1,6 @@
 """Decoding for Llama-family models (Llama, Mistral, Qwen2, Qwen3) over a pre-allocated KV cache: what transformers'
-``generate`` computes, in half its time on small models (the demo's, 64 rows x 16 sampled tokens: 14.2 vs 27.9 ms).
+``generate`` computes, in 60 % of its time on small models (the demo's, 64 rows x 16 sampled tokens: 16.5 vs 27.7 ms,
+``bench/decode.py``).
 
 At the sizes the CPU runs, a decoding step is per-call overhead, not arithmetic: around a forward of a few hundred
 microseconds ``generate`` prepares the inputs, builds a 4-D mask and grows a ``DynamicCache`` by concatenation, each
@@ -15,7 +16,7 @@ logits go through the given logits processors, a finished row gets the pad token
 the budget or when a stopping criterion says so, and the loop ends when every row has; without sampling the token is
 the ``argmax``, the tokens ``generate`` gives (a test compares the two on each family). A sampled token is drawn by
 :func:`draw_categorical` (inverse transform) where ``generate`` calls ``torch.multinomial``, which draws one
-exponential per vocabulary entry: 0.33 vs 0.03 ms a step for 64 rows of the demo's 320 tokens, 171 vs 26 ms for
+exponential per vocabulary entry: 0.33 vs 0.04 ms a step for 64 rows of the demo's 320 tokens, 174 vs 28 ms for
 64 rows of Qwen2.5's 151,936 on this machine. The same distribution, other draws.
 
 :func:`kv_decodable` says which models it runs: those families with full attention over the whole sequence (no
