@@ -249,8 +249,9 @@ class HFRolloutEngine:
         for row, context in enumerate(contexts):
             input_ids[row, width - len(context) :] = torch.tensor(context, dtype=torch.long)
             attention_mask[row, width - len(context) :] = 1
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         recorder = SampledTokenLogProbs() if self.config.calculate_log_probs else None
-        images = vision_model_inputs(vision, input_ids.to(device), attention_mask.to(device))
+        images = vision_model_inputs(vision, input_ids, attention_mask)
         processors = LogitsProcessorList(
             ([SuppressPlaceholders(self.placeholders)] if self.placeholders else [])
             + sampling_processors(params)
@@ -261,8 +262,8 @@ class HFRolloutEngine:
         if self._kv_decodes(images, width + budget, device):
             sequences = kv_generate(
                 self.model,
-                input_ids.to(device),
-                attention_mask.to(device),
+                input_ids,
+                attention_mask,
                 budget,
                 params.do_sample,
                 processors,
@@ -272,28 +273,9 @@ class HFRolloutEngine:
                 generator=torch.Generator(device).manual_seed(seed),
             )
         else:
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                torch.manual_seed(seed)
-                sequences = self.model.generate(
-                    input_ids=input_ids.to(device),
-                    attention_mask=attention_mask.to(device),
-                    max_new_tokens=budget,
-                    min_new_tokens=0,
-                    do_sample=params.do_sample,
-                    # generate's own temperature / top-k / top-p stay neutral (unset, it would take top_k=50 from its
-                    # global defaults): the processors apply the rollout's, before the recorder
-                    temperature=1.0,
-                    top_k=0,
-                    top_p=1.0,
-                    eos_token_id=self.stop_token_ids,
-                    pad_token_id=self.pad_token_id,
-                    use_cache=True,
-                    cache_implementation=None if self.config.enforce_eager else "static",
-                    disable_compile=bool(self.config.enforce_eager),
-                    logits_processor=processors,
-                    stopping_criteria=stopping_criteria,
-                    **images,
-                )
+            sequences = self._generate(
+                input_ids, attention_mask, budget, params, processors, stopping_criteria, seed, images
+            )
         generated = sequences[:, width:]
         log_probs = recorder.log_probs(generated).tolist() if recorder is not None else None
         samples = []
@@ -303,6 +285,42 @@ class HFRolloutEngine:
                 sample.log_probs = log_probs[row][: len(sample.token_ids)]
             samples.append(sample)
         return samples
+
+    def _generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        budget: int,
+        params: SamplingParams,
+        processors: LogitsProcessorList,
+        stopping_criteria: StoppingCriteriaList,
+        seed: int,
+        images: dict[str, Any],
+    ) -> torch.Tensor:
+        """``generate`` from the padded contexts, seeded with ``seed`` (the global generator forked for the call)."""
+        device = input_ids.device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            return self.model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                max_new_tokens=budget,
+                min_new_tokens=0,
+                do_sample=params.do_sample,
+                # generate's own temperature / top-k / top-p stay neutral (unset, it would take top_k=50 from its
+                # global defaults): the processors apply the rollout's, before the recorder
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                eos_token_id=self.stop_token_ids,
+                pad_token_id=self.pad_token_id,
+                use_cache=True,
+                cache_implementation=None if self.config.enforce_eager else "static",
+                disable_compile=bool(self.config.enforce_eager),
+                logits_processor=processors,
+                stopping_criteria=stopping_criteria,
+                **images,
+            )
 
     def _kv_decodes(self, images: dict[str, Any], length: int, device: torch.device) -> bool:
         """Whether :func:`kv_generate` draws (the model's family decodes over its own KV cache, no images) rather
