@@ -120,9 +120,9 @@ class RewardManager:
         if rm_scores is not None:
             scores_t, extra_info, failures = rm_scores.float().sum(-1), {}, 0
         else:
-            responses = batch.tensors[RESPONSES]
+            rows = batch.tensors[RESPONSES].tolist()  # decoding Python lists: half the time of tensor rows
             solutions = [
-                self.tokenizer.decode(responses[i, : ends[i]], skip_special_tokens=True) for i in range(len(batch))
+                self.tokenizer.decode(row[:end], skip_special_tokens=True) for row, end in zip(rows, ends.tolist())
             ]
             sources = [str(s) for s in batch.non_tensors[self.reward_fn_key]]
             truths = [
