@@ -1,13 +1,13 @@
-"""Decoding for Llama-family models (Llama, Mistral, Qwen2, Qwen3) over a pre-allocated KV cache: what transformers'
-``generate`` computes, in 60 % of its time on small models (the demo's, 64 rows x 16 sampled tokens: 16.5 vs 27.7 ms,
-``bench/decode.py``).
+"""Decoding for Llama-family models (Llama, Mistral, Qwen2, Qwen3; Mixtral and Qwen3-MoE, whose MLP is a mixture of
+experts) over a pre-allocated KV cache: what transformers' ``generate`` computes, in 60 % of its time on small
+models (the demo's, 64 rows x 16 sampled tokens: 16.5 vs 27.7 ms, ``bench/decode.py``).
 
 At the sizes the CPU runs, a decoding step is per-call overhead, not arithmetic: around a forward of a few hundred
 microseconds ``generate`` prepares the inputs, builds a 4-D mask and grows a ``DynamicCache`` by concatenation, each
 step (the demo's model, 64 rows, prefill + 16 greedy steps: 20.4 ms by a loop over the model's own forward and
-cache, 11.6 ms here). This loop calls each layer's own modules (norms, projections, MLP, the model's rotary
-embedding: a LoRA adapter, autocast and any rope scaling work unchanged) and writes only the attention: keys and
-values go into one tensor per layer sized for the prompt and the budget, and SDPA reads the filled part with a
+cache, 11.6 ms here). This loop calls each layer's own modules (norms, projections, MLP or experts, the model's
+rotary embedding: a LoRA adapter, autocast and any rope scaling work unchanged) and writes only the attention: keys
+and values go into one tensor per layer sized for the prompt and the budget, and SDPA reads the filled part with a
 boolean mask of the valid keys (causal in the prefill; a padding query attends to itself, so that no NaN reaches the
 cache), scaled as the module scales.
 
@@ -29,7 +29,7 @@ import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-KV_DECODE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+KV_DECODE_MODEL_TYPES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe"})
 
 
 def _causal_lm(model: torch.nn.Module) -> torch.nn.Module:

@@ -9,6 +9,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from rl_core.config import RolloutConfig
+from rl_core.models.families import FAMILIES
 from rl_core.models.loading import load_policy_model
 from rl_core.rollout import build_rollout_engine, hf_engine
 from rl_core.rollout.base import SamplingParams, sampling_params
@@ -16,6 +17,7 @@ from rl_core.rollout.hf_engine import SampledTokenLogProbs, sampling_processors
 from rl_core.rollout.kv_decode import KV_DECODE_MODEL_TYPES, draw_categorical, kv_decodable, kv_generate
 
 STOPS, PAD, WIDTH, BUDGET = [7, 9], 0, 7, 12
+FAMILY_SETTINGS = dict(FAMILIES.values())  # model_type -> what a tiny one needs (the experts of a MoE)
 
 
 def random_model(model_type: str, **settings) -> torch.nn.Module:
@@ -81,7 +83,7 @@ def assert_same_draws(ours, theirs) -> None:
 
 @pytest.mark.parametrize("model_type", sorted(KV_DECODE_MODEL_TYPES))
 def test_greedy_the_kv_loop_gives_what_generate_gives(model_type):
-    model = random_model(model_type, attention_bias=model_type == "llama")
+    model = random_model(model_type, attention_bias=model_type == "llama", **FAMILY_SETTINGS[model_type])
     ours = draw(model, do_sample=False)
     assert_same_draws(ours, draw(model, do_sample=False, kv=False))
     generated = ours[0][:, WIDTH:]
