@@ -1,6 +1,6 @@
 """Decoding for Llama-family models (Llama, Mistral, Qwen2, Qwen3; Mixtral and Qwen3-MoE, whose MLP is a mixture of
-experts) over a pre-allocated KV cache: what transformers' ``generate`` computes, in 60 % of its time on small
-models (the demo's, 64 rows x 16 sampled tokens: 16.5 vs 27.7 ms, ``bench/decode.py``).
+experts) over a pre-allocated KV cache: what transformers' ``generate`` computes, in 52-60 % of its time on small
+models (the demo's, 64 rows x 16 sampled tokens: 12.7-16.5 vs 24.3-28.1 ms, ``bench/decode.py``).
 
 At the sizes the CPU runs, a decoding step is per-call overhead, not arithmetic: around a forward of a few hundred
 microseconds ``generate`` prepares the inputs, builds a 4-D mask and grows a ``DynamicCache`` by concatenation, each
@@ -62,11 +62,37 @@ def draw_categorical(scores: torch.Tensor, generator: torch.Generator | None = N
     return torch.searchsorted(cumulative, below_total, right=True).squeeze(1)
 
 
+class _LayerCache:
+    """One layer's keys and values, (rows, kv heads, capacity, head dim) each, made at the first write in the dtype
+    the projections give (autocast's)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def write(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stores ``keys`` and ``values`` (rows, kv heads, new positions, head dim) from position ``start``; returns
+        the filled part of each."""
+        if self.keys is None or self.values is None:
+            self.keys = keys.new_zeros(*keys.shape[:2], self.capacity, keys.shape[-1])
+            self.values = values.new_zeros(*values.shape[:2], self.capacity, values.shape[-1])
+        end = start + keys.shape[2]
+        self.keys[:, :, start:end], self.values[:, :, start:end] = keys, values
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+
 def _attend(
-    layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: list, start: int, mask
+    layer: torch.nn.Module,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache: _LayerCache,
+    start: int,
+    mask: torch.Tensor,
 ) -> torch.Tensor:
-    """One decoder layer on ``x`` (rows, new positions, hidden), its keys and values written into ``cache`` (the
-    layer's [keys, values], each (rows, kv heads, capacity, head dim)) from position ``start``."""
+    """One decoder layer on ``x`` (rows, new positions, hidden) at positions ``start`` on, attending to the cache's
+    keys where ``mask`` (rows, 1, new positions, at least start + new) is true."""
     attention = layer.self_attn
     rows, new = x.shape[:2]
     h = layer.input_layernorm(x)
@@ -76,18 +102,9 @@ def _attend(
         q, k = attention.q_norm(q), attention.k_norm(k)
     v = attention.v_proj(h).view(rows, new, -1, attention.head_dim).transpose(1, 2)
     q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-    if not cache:
-        capacity = mask.shape[-1]
-        cache += [k.new_zeros(*k.shape[:2], capacity, k.shape[-1]), v.new_zeros(*v.shape[:2], capacity, v.shape[-1])]
-    end = start + new
-    cache[0][:, :, start:end], cache[1][:, :, start:end] = k, v
+    keys, values = cache.write(k, v, start)
     out = torch.nn.functional.scaled_dot_product_attention(
-        q,
-        cache[0][:, :, :end],
-        cache[1][:, :, :end],
-        attn_mask=mask[..., :end],
-        scale=attention.scaling,
-        enable_gqa=True,
+        q, keys, values, attn_mask=mask[..., : keys.shape[2]], scale=attention.scaling, enable_gqa=True
     )
     x = x + attention.o_proj(out.transpose(1, 2).reshape(rows, new, -1))
     return x + layer.mlp(layer.post_attention_layernorm(x))
@@ -116,9 +133,8 @@ def kv_generate(
     valid[:, :width] = attention_mask.bool()
     positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
     causal = torch.ones(width, width, dtype=torch.bool, device=input_ids.device).tril()
-    mask = causal & valid[:, None, :width] | torch.eye(width, dtype=torch.bool, device=input_ids.device)
-    mask = torch.cat([mask, valid.new_zeros(rows, width, max_new_tokens)], dim=-1)[:, None]
-    caches: list[list[torch.Tensor]] = [[] for _ in decoder.layers]
+    mask = (causal & valid[:, None, :width] | torch.eye(width, dtype=torch.bool, device=input_ids.device))[:, None]
+    caches = [_LayerCache(width + max_new_tokens) for _ in decoder.layers]
     stops = torch.tensor(stop_token_ids, dtype=torch.long, device=input_ids.device)
     unfinished = torch.ones(rows, dtype=torch.long, device=input_ids.device)
     x, start = decoder.embed_tokens(input_ids), 0
