@@ -1,6 +1,11 @@
 """Small builders shared by the rl_core tests."""
 
+import os
+import socket
+
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from rl_core.data.dataset import RLDataset
 from rl_core.data.rows import write_rows
@@ -36,3 +41,25 @@ def checkpoints_activations(model) -> bool:
     """Whether gradient (activation) checkpointing is on, under the name this transformers release gives it."""
     flag = getattr(type(model), "is_activation_checkpointing", None)
     return bool(model.is_activation_checkpointing if flag is not None else model.is_gradient_checkpointing)
+
+
+def run_on_two_gloo_ranks(function, *args) -> None:
+    """Run ``function(rank, *args)`` on two spawned processes joined in a gloo process group on 127.0.0.1.
+
+    ``function`` must be importable (spawn pickles it by name); results travel back through a ``Manager`` dict passed in
+    ``args``. Each rank waits for the other at a barrier and then leaves with ``os._exit(0)``: tearing gloo down
+    (``destroy_process_group`` or the interpreter's own finalization) aborted a rank now and then on 2 busy cores
+    ("terminate called without an active exception": a gloo thread still joinable, or holding tensors, as C++ objects
+    are destroyed), about 1 run in 4 without the barrier and once in CI with it."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    mp.spawn(_gloo_rank, args=(port, function, args), nprocs=2)
+
+
+def _gloo_rank(rank: int, port: int, function, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    function(rank, *args)
+    dist.barrier()
+    os._exit(0)  # after the barrier both ranks have their results written: skip gloo's teardown (see above)

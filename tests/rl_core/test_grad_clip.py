@@ -2,22 +2,19 @@
 same clipped gradients as torch's clip_grad_norm_ on the whole model. (On GPUs the norm is reduced on the device: an
 nccl collective cannot take the CPU shards' tensors; that path needs a GPU.)"""
 
-import os
-import socket
-
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.rl_core.helpers import run_on_two_gloo_ranks
 
-def clip_on_two_ranks(rank: int, port: int, results: dict) -> None:
+
+def clip_on_two_ranks(rank: int, results: dict) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     from rl_core.workers.fsdp import clip_grad_norm
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.manual_seed(0)
     sharded = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
     whole = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
@@ -37,19 +34,12 @@ def clip_on_two_ranks(rank: int, port: int, results: dict) -> None:
     if rank == 0:
         results["norm"] = (norm, float(expected))
         results["grads_equal"] = all(torch.allclose(a, b.grad, atol=1e-6) for a, b in zip(clipped, whole.parameters()))
-    # both ranks done before either tears gloo down: a rank that exits first aborted the other ("terminate called
-    # without an active exception", ~1 run in 4 on 2 cores)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def test_clipping_offloaded_fsdp2_shards_equals_clipping_the_whole_model():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(clip_on_two_ranks, args=(port, results), nprocs=2)
+        run_on_two_gloo_ranks(clip_on_two_ranks, results)
         norm, expected = results["norm"]
         # the norm was above the bound: the gradients were clipped
         assert abs(norm - expected) < 1e-5 and expected > 0.5

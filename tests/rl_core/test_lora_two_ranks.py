@@ -2,16 +2,14 @@
 saved policy's log-probs; the merged weights an inference engine gets (rl_core.rollout.vllm.weights) compute them
 too."""
 
-import os
-import socket
-
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
+from tests.rl_core.helpers import run_on_two_gloo_ranks
 
-def save_and_restore(rank: int, port: int, config_yaml: str, folder: str, results: dict) -> None:
+
+def save_and_restore(rank: int, config_yaml: str, folder: str, results: dict) -> None:
     from rl_core.batch import Batch
     from rl_core.data.dataset import RLDataset
     from rl_core.data.rows import write_rows
@@ -22,8 +20,6 @@ def save_and_restore(rank: int, port: int, config_yaml: str, folder: str, result
     from rl_core.workers import ActorRolloutRefWorker
     from rl_core.workers.fsdp import full_parameters
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-    dist.init_process_group("gloo", rank=rank, world_size=2)
     config = OmegaConf.create(config_yaml)
     actor = ActorRolloutRefWorker(config.actor_rollout_ref, "actor_rollout")
     actor.init_model()
@@ -59,8 +55,6 @@ def save_and_restore(rank: int, port: int, config_yaml: str, folder: str, result
         float((fresh - trained)[mask].abs().max()),
         float((from_merged - trained)[mask].abs().max()),
     )
-    dist.barrier()  # both ranks done before either tears gloo down (tests/rl_core/test_grad_clip.py)
-    dist.destroy_process_group()
 
 
 def test_a_lora_checkpoint_restores_on_two_ranks(config, tmp_path):
@@ -68,14 +62,9 @@ def test_a_lora_checkpoint_restores_on_two_ranks(config, tmp_path):
     config.actor_rollout_ref.actor.use_kl_loss = False
     config.actor_rollout_ref.actor.optim.total_training_steps = 1
     config.actor_rollout_ref.actor.optim.lr = 1e-2
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(
-            save_and_restore, args=(port, OmegaConf.to_yaml(config, resolve=True), str(tmp_path), results), nprocs=2
-        )
+        run_on_two_gloo_ranks(save_and_restore, OmegaConf.to_yaml(config, resolve=True), str(tmp_path), results)
         for rank in (0, 1):
             restored_error, untrained_difference, merged_error = results[rank]
             assert restored_error < 1e-5 and untrained_difference > 1e-3 and merged_error < 1e-5, (rank, results[rank])
