@@ -1,13 +1,14 @@
 """What the HF rollout's decoding costs: transformers' ``generate`` against the KV-cache loop that replaces it for
-Llama-family models (``rl_core/rollout/kv_decode.py``), on the demo's model; and a sampled token's draw,
-``torch.multinomial`` against the loop's inverse transform (``draw_categorical``), at the demo's vocabulary and at
-Qwen2.5's.
+the families it runs (``rl_core/rollout/kv_decode.py``), on the demo's model or a tiny one of another family; and a
+sampled token's draw, ``torch.multinomial`` against the loop's inverse transform (``draw_categorical``), at the demo's
+vocabulary and at Qwen2.5's.
 
-    python bench/decode.py [--rows 64] [--tokens 16] [--repeats 20] [--cache .ppoflow]
+    python bench/decode.py [--rows 64] [--tokens 16] [--repeats 20] [--cache .ppoflow] [--family gemma3]
 
-Both decoders run the demo's model from the same left-padded prompts, sampling (no stop token: every row runs to
-``--tokens``), alternated; the draws are timed on random scores. Prints a table of medians (ms) and, last, one JSON
-line. Seconds on 2 cores: run it alone.
+Both decoders run the same model from the same left-padded prompts, sampling (no stop token: every row runs to
+``--tokens``), alternated; the draws are timed on random scores. ``--family`` decodes with a randomly initialised model
+of that family (``rl_core.models.families``) of the demo's sizes (2 layers of 64) instead of the demo's trained Qwen2.
+Prints a table of medians (ms) and, last, one JSON line. Seconds on 2 cores: run it alone.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,7 +29,9 @@ sys.path.insert(0, str(ROOT))
 
 from vs_trl import demo_assets  # noqa: E402
 
+from rl_core.models.families import FAMILIES  # noqa: E402
 from rl_core.models.loading import NO_HUB_KERNELS  # noqa: E402
+from rl_core.models.tiny import make_tiny_model  # noqa: E402
 from rl_core.rollout.kv_decode import draw_categorical, kv_generate  # noqa: E402
 
 QWEN25_VOCABULARY = 151_936
@@ -50,10 +54,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16, help="new tokens per row")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--cache", default=str(ROOT / ".ppoflow"), help="where the demo model is built")
+    parser.add_argument("--family", choices=sorted(FAMILIES), help="a random tiny model of this family instead")
     args = parser.parse_args()
 
-    model_dir, _, _ = demo_assets(args.cache)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, **NO_HUB_KERNELS).eval()
+    with tempfile.TemporaryDirectory(prefix="ppoflow-decode-") as folder:
+        model_dir = make_tiny_model(folder, family=args.family) if args.family else demo_assets(args.cache)[0]
+        model = AutoModelForCausalLM.from_pretrained(model_dir, **NO_HUB_KERNELS).eval()
     vocabulary = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(3, vocabulary, (args.rows, 12), generator=generator)
@@ -93,7 +99,9 @@ def main() -> None:
         decode_times["generate"].append(median_ms(with_generate, args.repeats))
         decode_times["kv loop"].append(median_ms(with_kv_loop, args.repeats))
     decode = {name: statistics.median(times) for name, times in decode_times.items()}
-    label = f"{args.rows} rows x {args.tokens} sampled tokens, the demo's model"
+    label = f"{args.rows} rows x {args.tokens} sampled tokens, " + (
+        f"a tiny {args.family}" if args.family else "the demo's model"
+    )
     rows.append((label, decode["generate"], decode["kv loop"]))
     draws = {}
     for size in (vocabulary, QWEN25_VOCABULARY):
@@ -107,6 +115,7 @@ def main() -> None:
     for what, before, after in rows:
         print(f"{what:58s} {before:21.2f} ms {after:15.2f} ms")
     result = {
+        "family": args.family or "demo",
         "rows": args.rows,
         "tokens": args.tokens,
         "generate_ms": round(decode["generate"], 2),

@@ -12,13 +12,14 @@ otherwise make the samples come from another distribution than the one trained).
 with ``calculate_log_probs``, by one that records the sampled tokens' log-probs step by step from the scores the
 sampler draws from, one (rows, vocabulary) tensor at a time.
 
-A Llama-family model (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE) is sampled by
-:func:`rl_core.rollout.kv_decode.kv_generate`, a decoding loop over the model's own layers and a pre-allocated KV
-cache that computes what ``generate`` would, in 52-60 % of its time on small models; other models, vision-language
-ones included, by ``generate``. On CUDA, ``rollout.enforce_eager=false`` leaves every model to ``generate`` with a
-static KV cache, which transformers compiles with ``torch.compile`` (one compilation per prompt-length bucket, then
-CUDA-graph-friendly decode steps). ``rollout.free_cache_engine`` returns the cached CUDA blocks of the KV cache to
-the allocator after each rollout, for the update that follows.
+A model of the families :data:`rl_core.rollout.kv_decode.KV_DECODE_MODEL_TYPES` (Llama, Mistral, Qwen2, Qwen3,
+Phi-3, Gemma 1-3, Mixtral, Qwen3-MoE) is sampled by :func:`rl_core.rollout.kv_decode.kv_generate`, a decoding loop
+over the model's own layers and a pre-allocated KV cache that computes what ``generate`` would, in 52-64 % of its
+time on small models; other models, vision-language ones included, by ``generate``. On CUDA,
+``rollout.enforce_eager=false`` leaves every model to ``generate`` with a static KV cache, which transformers
+compiles with ``torch.compile`` (one compilation per prompt-length bucket, then CUDA-graph-friendly decode steps).
+``rollout.free_cache_engine`` returns the cached CUDA blocks of the KV cache to the allocator after each rollout,
+for the update that follows.
 
 A vision-language model's prompts come with their images (the prompt batch's ``multi_modal_inputs``, a context's
 ``vision``: :mod:`rl_core.models.multimodal`), given to ``generate`` with the padded contexts; its image placeholder

@@ -1,6 +1,7 @@
-"""Decoding for Llama-family models (Llama, Mistral, Qwen2, Qwen3; Mixtral and Qwen3-MoE, whose MLP is a mixture of
-experts) over a pre-allocated KV cache: what transformers' ``generate`` computes, in 52-60 % of its time on small
-models (the demo's, 64 rows x 16 sampled tokens: 12.7-16.5 vs 24.3-28.1 ms, ``bench/decode.py``).
+"""Decoding for the decoder-only families of :data:`KV_DECODE_MODEL_TYPES` (Llama, Mistral, Qwen2, Qwen3, Phi-3,
+Gemma 1-3; Mixtral and Qwen3-MoE, whose MLP is a mixture of experts) over a pre-allocated KV cache: what transformers'
+``generate`` computes, in 52-60 % of its time on small models (the demo's, 64 rows x 16 sampled tokens: 12.7-16.5 vs
+24.3-28.1 ms, ``bench/decode.py``).
 
 At the sizes the CPU runs, a decoding step is per-call overhead, not arithmetic: around a forward of a few hundred
 microseconds ``generate`` prepares the inputs, builds a 4-D mask and grows a ``DynamicCache`` by concatenation, each
@@ -9,7 +10,11 @@ cache, 11.6 ms here). This loop calls each layer's own modules (norms, projectio
 rotary embedding: a LoRA adapter, autocast and any rope scaling work unchanged) and writes only the attention: keys
 and values go into one tensor per layer sized for the prompt and the budget, and SDPA reads the filled part with a
 boolean mask of the valid keys (causal in the prefill; a padding query attends to itself, so that no NaN reaches the
-cache), scaled as the module scales.
+cache), scaled as the module scales. What differs between the families is read off the modules
+(:func:`_attend`): Phi-3's fused ``qkv_proj`` and partial rotary dimensions, Qwen3's and Gemma 3's per-head query and
+key norms, Gemma's norms around the attention and the MLP outputs (its embedding scales itself), Gemma 2's
+soft-capped attention scores (computed as its eager attention computes them: SDPA cannot cap) and Gemma's soft-capped
+logits, Gemma 3's rotary embedding per layer type.
 
 It samples as ``generate`` does (transformers 5's ``_sample``) but for the draw itself: the last position's float32
 logits go through the given logits processors, a finished row gets the pad token, a row finishes at a stop token, at
@@ -19,17 +24,20 @@ the ``argmax``, the tokens ``generate`` gives (a test compares the two on each f
 exponential per vocabulary entry: 0.33 vs 0.04 ms a step for 64 rows of the demo's 320 tokens, 174 vs 28 ms for
 64 rows of Qwen2.5's 151,936 on this machine. The same distribution, other draws.
 
-:func:`kv_decodable` says which models it runs: those families with full attention over the whole sequence (no
-sliding window it would reach); ``generate`` runs the rest, and every vision-language model.
+:func:`kv_decodable` says which models it runs: those families where every layer attends to the whole sequence (full
+attention, or a sliding window the sequence does not reach); ``generate`` runs the rest, and every vision-language
+model.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import rotate_half
 
-KV_DECODE_MODEL_TYPES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe"})
+KV_DECODE_MODEL_TYPES = frozenset(
+    {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "phi3", "gemma", "gemma2", "gemma3_text"}
+)
 
 
 def _causal_lm(model: torch.nn.Module) -> torch.nn.Module:
@@ -40,14 +48,20 @@ def _causal_lm(model: torch.nn.Module) -> torch.nn.Module:
 
 def kv_decodable(model: torch.nn.Module, length: int) -> bool:
     """Whether :func:`kv_generate` runs ``model`` for sequences of up to ``length`` tokens: a causal LM of the
-    families above whose every layer attends to the whole sequence."""
+    families above whose every layer attends to the whole sequence (full attention, or a sliding window of at least
+    ``length`` tokens)."""
     config = getattr(_causal_lm(model), "config", None)
     if config is None or getattr(config, "model_type", None) not in KV_DECODE_MODEL_TYPES:
         return False
-    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    if not layer_types <= {"full_attention", "sliding_attention"}:
         return False
     window = getattr(config, "sliding_window", None)
-    return window is None or not getattr(config, "use_sliding_window", True) or length <= window
+    if window is None or length <= window:
+        return True
+    if layer_types:  # the window would be reached: only where no layer slides
+        return "sliding_attention" not in layer_types
+    return not getattr(config, "use_sliding_window", True)
 
 
 def draw_categorical(scores: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -82,6 +96,38 @@ class _LayerCache:
         return self.keys[:, :, :end], self.values[:, :, :end]
 
 
+def _projections(attention: torch.nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Queries, keys and values (rows, new positions, heads, head dim): three projections, or Phi-3's fused one."""
+    shape = (*h.shape[:2], -1, attention.head_dim)
+    if not hasattr(attention, "qkv_proj"):
+        return tuple(proj(h).view(shape) for proj in (attention.q_proj, attention.k_proj, attention.v_proj))
+    kv_width = attention.num_key_value_heads * attention.head_dim
+    q, k, v = attention.qkv_proj(h).split([attention.o_proj.in_features, kv_width, kv_width], dim=-1)
+    return q.view(shape), k.view(shape), v.view(shape)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding of ``x`` (rows, heads, positions, head dim) over the first ``cos.shape[-1]``
+    dimensions (all of them but for Phi-3's partial rotary factor), as transformers applies it."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    rotary = cos.shape[-1]
+    if rotary == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    rotated, passed = x[..., :rotary], x[..., rotary:]
+    return torch.cat([rotated * cos + rotate_half(rotated) * sin, passed], dim=-1)
+
+
+def _capped_attention(attention, q, keys, values, mask) -> torch.Tensor:
+    """Gemma 2's attention with soft-capped scores, as its eager attention computes it: ``cap * tanh(q k^T * scaling /
+    cap)``, masked, a float32 softmax, times the values (kv heads repeated for the query heads)."""
+    groups = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+    cap = attention.attn_logit_softcapping
+    scores = torch.tanh(torch.matmul(q, keys.transpose(2, 3)) * attention.scaling / cap) * cap
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(q.dtype), values)
+
+
 def _attend(
     layer: torch.nn.Module,
     x: torch.Tensor,
@@ -95,19 +141,34 @@ def _attend(
     keys where ``mask`` (rows, 1, new positions, at least start + new) is true."""
     attention = layer.self_attn
     rows, new = x.shape[:2]
-    h = layer.input_layernorm(x)
-    q = attention.q_proj(h).view(rows, new, -1, attention.head_dim)
-    k = attention.k_proj(h).view(rows, new, -1, attention.head_dim)
-    if hasattr(attention, "q_norm"):  # Qwen3 normalises each head's queries and keys
+    q, k, v = _projections(attention, layer.input_layernorm(x))
+    if hasattr(attention, "q_norm"):  # Qwen3 and Gemma 3 normalise each head's queries and keys
         q, k = attention.q_norm(q), attention.k_norm(k)
-    v = attention.v_proj(h).view(rows, new, -1, attention.head_dim).transpose(1, 2)
-    q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-    keys, values = cache.write(k, v, start)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q, keys, values, attn_mask=mask[..., : keys.shape[2]], scale=attention.scaling, enable_gqa=True
-    )
-    x = x + attention.o_proj(out.transpose(1, 2).reshape(rows, new, -1))
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+    q, k = _rotate(q.transpose(1, 2), cos, sin), _rotate(k.transpose(1, 2), cos, sin)
+    keys, values = cache.write(k, v.transpose(1, 2), start)
+    mask = mask[..., : keys.shape[2]]
+    if getattr(attention, "attn_logit_softcapping", None) is not None:
+        out = _capped_attention(attention, q, keys, values, mask)
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, scale=attention.scaling, enable_gqa=True
+        )
+    out = attention.o_proj(out.transpose(1, 2).reshape(rows, new, -1))
+    if not hasattr(layer, "pre_feedforward_layernorm"):  # Llama's order: norm, sublayer, residual
+        x = x + out
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+    x = x + layer.post_attention_layernorm(out)  # Gemma 2 and 3 normalise each sublayer's output too
+    return x + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(x)))
+
+
+def _rotary_per_layer(decoder: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor) -> list[tuple]:
+    """Each layer's (cos, sin) at ``positions``: one rotary embedding, or Gemma 3's one per layer type."""
+    rotary, layers = decoder.rotary_emb, decoder.layers
+    if not hasattr(rotary, "layer_types"):
+        return [rotary(x, positions)] * len(layers)
+    layer_types = decoder.config.layer_types
+    by_type = {kind: rotary(x, positions, kind) for kind in set(layer_types)}
+    return [by_type[layer_types[i]] for i in range(len(layers))]
 
 
 @torch.no_grad()
@@ -127,7 +188,7 @@ def kv_generate(
     tokens, one column per step run), sampled tokens drawn from ``generator``: see the module doc. The processors
     are called one by one (``LogitsProcessorList`` inspects each one's signature at every step)."""
     lm = _causal_lm(model)
-    decoder = lm.model
+    decoder, softcap = lm.model, getattr(lm.config, "final_logit_softcapping", None)
     rows, width = input_ids.shape
     valid = torch.zeros(rows, width + max_new_tokens, dtype=torch.bool, device=input_ids.device)
     valid[:, :width] = attention_mask.bool()
@@ -140,10 +201,12 @@ def kv_generate(
     x, start = decoder.embed_tokens(input_ids), 0
     for step in range(max_new_tokens):
         # ---- forward the new positions through the layers, the cache filled from `start`
-        cos, sin = decoder.rotary_emb(x, positions)
-        for layer, cache in zip(decoder.layers, caches):
+        for layer, cache, (cos, sin) in zip(decoder.layers, caches, _rotary_per_layer(decoder, x, positions)):
             x = _attend(layer, x, cos, sin, cache, start, mask)
-        logits = lm.lm_head(decoder.norm(x[:, -1:]))[:, -1].to(dtype=torch.float32, copy=True)
+        logits = lm.lm_head(decoder.norm(x[:, -1:]))[:, -1]
+        if softcap is not None:  # Gemma's capped logits: cap * tanh(logits / cap)
+            logits = torch.tanh(logits / softcap) * softcap
+        logits = logits.to(dtype=torch.float32, copy=True)
         # ---- draw: processors, then draw_categorical (argmax without sampling); finished rows get the pad
         scores = logits
         for processor in logits_processor:

@@ -17,7 +17,13 @@ from rl_core.rollout.hf_engine import SampledTokenLogProbs, sampling_processors
 from rl_core.rollout.kv_decode import KV_DECODE_MODEL_TYPES, draw_categorical, kv_decodable, kv_generate
 
 STOPS, PAD, WIDTH, BUDGET = [7, 9], 0, 7, 12
-FAMILY_SETTINGS = dict(FAMILIES.values())  # model_type -> what a tiny one needs (the experts of a MoE)
+# model_type -> what a tiny one needs: the experts of a MoE, a pad token inside the vocabulary (Phi-3's is 32000),
+# caps low enough to bite on random weights (Gemma 2's attention scores and logits; defaults 50 and 30)
+FAMILY_SETTINGS = {
+    **dict(FAMILIES.values()),
+    "phi3": {"pad_token_id": PAD},
+    "gemma2": {"attn_logit_softcapping": 0.002, "final_logit_softcapping": 0.05},
+}
 
 
 def random_model(model_type: str, **settings) -> torch.nn.Module:
@@ -32,7 +38,7 @@ def random_model(model_type: str, **settings) -> torch.nn.Module:
         head_dim=16,
         **settings,
     )
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = "eager" if model_type == "gemma2" else "sdpa"  # Gemma 2: no SDPA (its caps)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config).eval()
 
@@ -83,7 +89,7 @@ def assert_same_draws(ours, theirs) -> None:
 
 @pytest.mark.parametrize("model_type", sorted(KV_DECODE_MODEL_TYPES))
 def test_greedy_the_kv_loop_gives_what_generate_gives(model_type):
-    model = random_model(model_type, attention_bias=model_type == "llama", **FAMILY_SETTINGS[model_type])
+    model = random_model(model_type, attention_bias=model_type == "llama", **FAMILY_SETTINGS.get(model_type, {}))
     ours = draw(model, do_sample=False)
     assert_same_draws(ours, draw(model, do_sample=False, kv=False))
     generated = ours[0][:, WIDTH:]
@@ -176,13 +182,22 @@ def test_a_lora_adapter_is_applied_in_the_kv_loop():
         assert not torch.equal(draw(model, False)[0], ours[0])
 
 
+def test_phi3_with_partial_rotary_dimensions_gives_what_generate_gives():
+    """Phi-3.5 / Phi-4-mini rotate only part of each head (``partial_rotary_factor``); the rest passes unrotated."""
+    model = random_model("phi3", pad_token_id=PAD, partial_rotary_factor=0.5)
+    assert model.model.rotary_emb(torch.zeros(1), torch.arange(3)[None])[0].shape[-1] == 8  # half of head_dim 16
+    assert_same_draws(draw(model, do_sample=False), draw(model, do_sample=False, kv=False))
+
+
 def test_what_the_kv_loop_does_not_run():
     assert kv_decodable(random_model("qwen2"), 10_000)
-    assert not kv_decodable(random_model("phi3", pad_token_id=0), 16)  # another family: generate
+    assert not kv_decodable(random_model("olmo"), 16)  # another family: generate
     windowed = random_model("mistral", sliding_window=12)
     assert kv_decodable(windowed, 12) and not kv_decodable(windowed, 13)  # the window would be reached
     layered = random_model("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1)
     assert not kv_decodable(layered, 16)
+    alternating = random_model("gemma3_text", sliding_window=12)  # Gemma 3: sliding and full layers
+    assert kv_decodable(alternating, 12) and not kv_decodable(alternating, 13)
 
 
 def test_the_hf_engine_draws_with_the_kv_loop_where_it_runs(config, monkeypatch):
