@@ -98,11 +98,11 @@ def test_greedy_the_kv_loop_gives_what_generate_gives(model_type):
     assert stopped.any() and (~stopped).any()  # rows that stopped (padded after, as generate pads) and rows that ran
 
 
-@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "gemma2"])
 def test_under_bf16_autocast_the_kv_loop_gives_what_generate_gives(model_type):
     """The worker samples under autocast in rollout.dtype (bf16 where it is the faster): the cache takes the
     projections' dtype, and the tokens and log-probs stay generate's."""
-    model = random_model(model_type)
+    model = random_model(model_type, **FAMILY_SETTINGS.get(model_type, {}))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ours, theirs = draw(model, do_sample=False), draw(model, do_sample=False, kv=False)
     assert_same_draws(ours, theirs)
@@ -110,11 +110,11 @@ def test_under_bf16_autocast_the_kv_loop_gives_what_generate_gives(model_type):
     assert (ours[1] - in_float32).nan_to_num().abs().max() > 1e-4  # bf16 did compute: other log-probs
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "llama"])
+@pytest.mark.parametrize("model_type", ["qwen3", "llama", "gemma3_text"])
 def test_sampled_log_probs_are_a_full_forwards_over_the_drawn_tokens(model_type):
     """The recorded log-probs of sampled tokens (temperature, top-k, top-p) equal those of one padded forward of the
     whole sequences through transformers, the same processors applied: the cache holds what a full forward sees."""
-    model = random_model(model_type)
+    model = random_model(model_type, **FAMILY_SETTINGS.get(model_type, {}))
     sequences, recorded = draw(model, do_sample=True)
     input_ids, attention_mask = left_padded()
     mask = torch.cat([attention_mask, torch.ones_like(sequences[:, WIDTH:])], dim=-1)
