@@ -1,7 +1,6 @@
 """Small builders shared by the rl_core tests."""
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
@@ -10,6 +9,7 @@ import torch.multiprocessing as mp
 from rl_core.data.dataset import RLDataset
 from rl_core.data.rows import write_rows
 from rl_core.data.synthetic import addition_rows
+from tests.conftest import free_port
 
 
 def addition_dataset(tmp_path, tokenizer, data_config, count=16, split="train"):
@@ -51,10 +51,7 @@ def run_on_two_gloo_ranks(function, *args) -> None:
     (``destroy_process_group`` or the interpreter's own finalization) aborted a rank now and then on 2 busy cores
     ("terminate called without an active exception": a gloo thread still joinable, or holding tensors, as C++ objects
     are destroyed), about 1 run in 4 without the barrier and once in CI with it."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    mp.spawn(_gloo_rank, args=(port, function, args), nprocs=2)
+    mp.spawn(_gloo_rank, args=(free_port(), function, args), nprocs=2)
 
 
 def _gloo_rank(rank: int, port: int, function, args: tuple) -> None:
