@@ -27,6 +27,8 @@ FAMILY_SETTINGS = {
 
 
 def random_model(model_type: str, **settings) -> torch.nn.Module:
+    """A randomly initialised tiny model of ``model_type`` with its FAMILY_SETTINGS, ``settings`` over them."""
+    settings = {**FAMILY_SETTINGS.get(model_type, {}), **settings}
     config = AutoConfig.for_model(
         model_type,
         hidden_size=64,
@@ -89,7 +91,7 @@ def assert_same_draws(ours, theirs) -> None:
 
 @pytest.mark.parametrize("model_type", sorted(KV_DECODE_MODEL_TYPES))
 def test_greedy_the_kv_loop_gives_what_generate_gives(model_type):
-    model = random_model(model_type, attention_bias=model_type == "llama", **FAMILY_SETTINGS.get(model_type, {}))
+    model = random_model(model_type, attention_bias=model_type == "llama")
     ours = draw(model, do_sample=False)
     assert_same_draws(ours, draw(model, do_sample=False, kv=False))
     generated = ours[0][:, WIDTH:]
@@ -102,7 +104,7 @@ def test_greedy_the_kv_loop_gives_what_generate_gives(model_type):
 def test_under_bf16_autocast_the_kv_loop_gives_what_generate_gives(model_type):
     """The worker samples under autocast in rollout.dtype (bf16 where it is the faster): the cache takes the
     projections' dtype, and the tokens and log-probs stay generate's."""
-    model = random_model(model_type, **FAMILY_SETTINGS.get(model_type, {}))
+    model = random_model(model_type)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ours, theirs = draw(model, do_sample=False), draw(model, do_sample=False, kv=False)
     assert_same_draws(ours, theirs)
@@ -114,7 +116,7 @@ def test_under_bf16_autocast_the_kv_loop_gives_what_generate_gives(model_type):
 def test_sampled_log_probs_are_a_full_forwards_over_the_drawn_tokens(model_type):
     """The recorded log-probs of sampled tokens (temperature, top-k, top-p) equal those of one padded forward of the
     whole sequences through transformers, the same processors applied: the cache holds what a full forward sees."""
-    model = random_model(model_type, **FAMILY_SETTINGS.get(model_type, {}))
+    model = random_model(model_type)
     sequences, recorded = draw(model, do_sample=True)
     input_ids, attention_mask = left_padded()
     mask = torch.cat([attention_mask, torch.ones_like(sequences[:, WIDTH:])], dim=-1)
@@ -184,7 +186,7 @@ def test_a_lora_adapter_is_applied_in_the_kv_loop():
 
 def test_phi3_with_partial_rotary_dimensions_gives_what_generate_gives():
     """Phi-3.5 / Phi-4-mini rotate only part of each head (``partial_rotary_factor``); the rest passes unrotated."""
-    model = random_model("phi3", pad_token_id=PAD, partial_rotary_factor=0.5)
+    model = random_model("phi3", partial_rotary_factor=0.5)
     assert model.model.rotary_emb(torch.zeros(1), torch.arange(3)[None])[0].shape[-1] == 8  # half of head_dim 16
     assert_same_draws(draw(model, do_sample=False), draw(model, do_sample=False, kv=False))
 
