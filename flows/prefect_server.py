@@ -8,7 +8,8 @@ as Prefect's own ``SubprocessASGIServer`` would import Prefect's whole server, i
 into the command: seconds of CPU on the start-up's path). It runs at the lowest CPU priority
 (``infra.stack.LOWEST_PRIORITY``) from its start: the flow needs it only once its modules are imported, while Ray's
 processes and the workers start beside it; and it records task runs from their events asynchronously, which at normal
-priority on a small CPU machine preempts the workers mid-stage. The command stops it (:func:`stop_temporary_server`;
+priority on a small CPU machine preempts the workers mid-stage; once it answers, it runs under SCHED_IDLE
+(:func:`infra.stack.lower_priority`). The command stops it (:func:`stop_temporary_server`;
 at exit at the latest).
 """
 
@@ -127,6 +128,7 @@ def start_temporary_server(timeout_s: float = 120.0) -> Callable[[], None]:
     def run() -> None:
         try:
             wait_until_answering()
+            lower_priority(process.pid, idle=True)  # booted: from now on it runs on the CPU time the run leaves idle
         except BaseException as error:  # raised by the wait, in the command's thread
             process.kill()
             failed.append(error)

@@ -24,14 +24,16 @@ def many(n):
 
 configure_prefect()
 start_temporary_server()()
+import os
 from prefect.client.orchestration import get_client
 from flows.prefect_server import STARTED
+threads = os.listdir(f"/proc/{STARTED['process'].pid}/task")  # once it answers: on the CPU time the run leaves idle
+assert {os.sched_getscheduler(int(thread)) for thread in threads} == {os.SCHED_IDLE}, threads
 assert str(get_client().api_url).startswith(STARTED["api_url"])  # Prefect's clients use the launched server
 from flows.prefect_view import prefect_ui_url
 assert prefect_ui_url() is None  # no links to a server that ends with the command (it serves no UI either)
 many(int(sys.argv[1]))
 stop_temporary_server()
-import os
 assert "PREFECT_API_URL" not in os.environ  # a later flow of this process is not pointed at the ended server
 """
 

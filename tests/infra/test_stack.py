@@ -2,6 +2,7 @@
 (PPOFLOW_HOME in a temporary folder), and a training run that uses them, seen in their UIs by a real Chromium."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -40,6 +41,8 @@ def test_up_status_train_down(stack_env, tmp_path, demo_cache):
     assert services["launcher"]["url"] == f"unix:{tmp_path / 'home' / 'launcher.sock'}"
     assert f"export PREFECT_API_URL=http://127.0.0.1:{ports['prefect']}/api" in started.stdout
     assert httpx.get(f"http://127.0.0.1:{ports['prefect']}/api/health").status_code == 200
+    threads = os.listdir(f"/proc/{services['prefect']['pid']}/task")  # it answers: on the CPU time runs leave idle
+    assert {os.sched_getscheduler(int(thread)) for thread in threads} == {os.SCHED_IDLE}, threads
     assert httpx.get(f"http://127.0.0.1:{ports['mlflow']}/health").status_code == 200
     assert port_open(ports["ray"])
     token = tmp_path / "user" / ".ray" / "auth_token"
