@@ -34,6 +34,7 @@ from flows.secrets import redact_text
 PROGRESS_EVERY_S = 5.0  # the progress artifact is updated at most this often (each update is an API call)
 PRUNE_EVERY_STEPS = 50  # old task runs are deleted in batches of this many steps
 RECORDER_LAG_S = 2.0  # the server writes what it recorded at least every second (infra.stack settings), with margin
+PRUNED = {"task_runs": 0}  # the task runs this process deleted from Prefect (:func:`delete_task_runs_before`)
 
 
 def mlflow_run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str | None:
@@ -225,7 +226,8 @@ def delete_task_runs_before(flow_run_id: str, cutoff: datetime) -> int:
                 )
                 for task_run in task_runs:
                     client.delete_task_run(task_run.id)
-                deleted += len(task_runs)
+                    deleted += 1
+                    PRUNED["task_runs"] += 1
                 if len(task_runs) < 200:
                     return deleted
     except Exception as error:  # the API is away or busy: the next batch tries again
