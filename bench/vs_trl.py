@@ -112,47 +112,38 @@ def run_ppoflow(args: argparse.Namespace, folder: str, model: str, train: str, v
     configure_prefect()
     start_temporary_server()()  # the wait for it
     demo = compose_config([])
+    overrides = [
+        *SETTINGS[args.settings],
+        f"actor_rollout_ref.model.path={model}",
+        f"data.train_files={train}",
+        f"data.val_files={val}",
+        f"data.max_prompt_length={demo.data.max_prompt_length}",
+        f"data.max_response_length={args.response_length or demo.data.max_response_length}",
+        f"actor_rollout_ref.actor.optim.lr={demo.actor_rollout_ref.actor.optim.lr}",
+        f"critic.optim.lr={demo.critic.optim.lr}",
+        "actor_rollout_ref.actor.use_kl_loss=false",
+        f"trainer.total_training_steps={args.steps}",
+        *[f"{key}={args.seed}" for key in ("data.seed", "actor_rollout_ref.rollout.seed") if args.seed is not None],
+        *[f"{key}=bfloat16" for key in BF16_KEYS if args.bf16],
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
+        "trainer.save_freq=-1",
+        "trainer.log_samples_freq=-1",
+        f"trainer.default_local_dir={folder}/checkpoints",
+        f"trainer.tracking_uri=sqlite:///{folder}/mlflow.db",
+        f"trainer.artifact_location={folder}/mlartifacts",
+        *algorithm,
+    ]
     try:
-        result = train_flow(
-            overrides=[
-                *SETTINGS[args.settings],
-                f"actor_rollout_ref.model.path={model}",
-                f"data.train_files={train}",
-                f"data.val_files={val}",
-                f"data.max_prompt_length={demo.data.max_prompt_length}",
-                f"data.max_response_length={args.response_length or demo.data.max_response_length}",
-                f"actor_rollout_ref.actor.optim.lr={demo.actor_rollout_ref.actor.optim.lr}",
-                f"critic.optim.lr={demo.critic.optim.lr}",
-                "actor_rollout_ref.actor.use_kl_loss=false",
-                f"trainer.total_training_steps={args.steps}",
-                *[
-                    f"{key}={args.seed}"
-                    for key in ("data.seed", "actor_rollout_ref.rollout.seed")
-                    if args.seed is not None
-                ],
-                *[f"{key}=bfloat16" for key in BF16_KEYS if args.bf16],
-                "trainer.test_freq=-1",
-                "trainer.val_before_train=false",
-                "trainer.save_freq=-1",
-                "trainer.log_samples_freq=-1",
-                f"trainer.default_local_dir={folder}/checkpoints",
-                f"trainer.tracking_uri=sqlite:///{folder}/mlflow.db",
-                f"trainer.artifact_location={folder}/mlartifacts",
-                *algorithm,
-            ]
-        )
+        result = train_flow(overrides=overrides)
     finally:
         stop_temporary_server()  # once it recorded the run's task runs, as the command stops it
     client = MlflowClient(result["tracking_uri"])
-    history = {
-        name: [m.value for m in sorted(client.get_metric_history(result["run_id"], name), key=lambda m: m.step)]
+    step_s, tokens = (
+        [m.value for m in sorted(client.get_metric_history(result["run_id"], name), key=lambda m: m.step)]
         for name in ("perf/time_per_step", "perf/total_num_tokens")
-    }
-    return {
-        "step_s": history["perf/time_per_step"],
-        "tokens": history["perf/total_num_tokens"],
-        "model_dir": str(Path(result["checkpoint_dir"]) / "actor"),
-    }
+    )
+    return {"step_s": step_s, "tokens": tokens, "model_dir": str(Path(result["checkpoint_dir"]) / "actor")}
 
 
 def run_ppoflow_grpo(args: argparse.Namespace, folder: str, model: str, train: str, val: str) -> dict:
