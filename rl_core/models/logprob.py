@@ -23,6 +23,7 @@ import torch.utils.checkpoint
 
 from rl_core.algos.entropy import entropy_from_logits
 from rl_core.models.multimodal import without_placeholders
+from rl_core.models.packed_attention import packed_forward
 
 
 def _chunk_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -77,9 +78,10 @@ def response_log_probs(
         valid = attention_mask.bool()
         packed_ids = input_ids[valid].unsqueeze(0)
         packed_positions = position_ids[valid].unsqueeze(0)
-        logits = model(
-            input_ids=packed_ids, position_ids=packed_positions, attention_mask=None, use_cache=False
-        ).logits[0]
+        with packed_forward(packed_positions):
+            logits = model(
+                input_ids=packed_ids, position_ids=packed_positions, attention_mask=None, use_cache=False
+            ).logits[0]
         logits = without_placeholders(logits / temperature, placeholders or [])
         # the logits at packed position i predict the token at i + 1; roll so each token gets its own log-prob
         next_token_log_probs = token_log_probs(logits, torch.roll(packed_ids[0], shifts=-1))
@@ -123,12 +125,14 @@ def response_values(
     """
     if remove_padding:
         valid = attention_mask.bool()
-        packed = critic(
-            input_ids=input_ids[valid].unsqueeze(0),
-            position_ids=position_ids[valid].unsqueeze(0),
-            attention_mask=None,
-            use_cache=False,
-        ).logits[0, :, 0]
+        packed_positions = position_ids[valid].unsqueeze(0)
+        with packed_forward(packed_positions):
+            packed = critic(
+                input_ids=input_ids[valid].unsqueeze(0),
+                position_ids=packed_positions,
+                attention_mask=None,
+                use_cache=False,
+            ).logits[0, :, 0]
         values = torch.zeros(input_ids.shape, dtype=packed.dtype, device=input_ids.device)
         values[valid] = packed
     else:

@@ -8,7 +8,13 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from rl_core.models import packed_attention
-from rl_core.models.packed_attention import PACKED_SDPA, packed_row_bounds, packed_sdpa_attention
+from rl_core.models.packed_attention import (
+    PACKED_SDPA,
+    packed_forward,
+    packed_row_bounds,
+    packed_sdpa_attention,
+    packed_sdpa_mask,
+)
 
 
 def loop_attention(query, key, value, lengths):
@@ -43,6 +49,9 @@ def test_each_packed_row_attends_to_itself_only(seed):
     module = torch.nn.Module()
     module.is_causal = True
     output, _ = packed_sdpa_attention(module, query, key, value, None, position_ids=position_ids)
+    assert torch.allclose(output.double(), loop_attention(query, key, value, lengths), atol=1e-5)
+    with packed_forward(position_ids):  # a model that passes no position ids: the packed forward's own
+        output, _ = packed_sdpa_attention(module, query, key, value, None)
     assert torch.allclose(output.double(), loop_attention(query, key, value, lengths), atol=1e-5)
 
 
@@ -81,22 +90,78 @@ def test_a_model_gives_sdpa_numbers_with_a_call_per_length_bucket(monkeypatch):
     assert torch.allclose(packed, whole, atol=1e-5) and torch.allclose(alone, whole[:, :5], atol=1e-5)
 
 
+def spy_on_masks(monkeypatch) -> list[tuple[int, int]]:
+    """The (q, kv) lengths of every mask SDPA's mask function builds for the packed implementation."""
+    built, original = [], packed_attention.sdpa_mask
+    monkeypatch.setattr(packed_attention, "sdpa_mask", lambda *a, **k: built.append(a[1:3]) or original(*a, **k))
+    return built
+
+
 @pytest.mark.parametrize("seed", [0, 1])
-def test_sliding_window_masks_and_gradients_match_sdpa_over_the_whole(seed):
-    """transformers' own mask blocks (here a sliding window of 4 on every layer) reach each row, and the gradients
-    through the gathered batch are those of the block-diagonal whole."""
+def test_a_causal_models_packed_forward_builds_no_mask_and_gives_sdpa_numbers(seed, monkeypatch):
+    """Inside packed_forward (the padding-free log-prob and value passes) a model whose layers all attend causally
+    gets no (N, N) mask: each row's causal block is applied per bucket, with the numbers and gradients of transformers'
+    SDPA over its block-diagonal mask. Outside it the mask is built as before."""
+    generator = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = tiny_qwen2()
+    ids, position_ids = packed_inputs(torch.randint(1, 20, (6,), generator=generator).tolist(), generator)
+    built = spy_on_masks(monkeypatch)
+    results = []
+    for implementation in ("sdpa", PACKED_SDPA):
+        model.zero_grad()
+        model.set_attn_implementation(implementation)
+        with packed_forward(position_ids):
+            logits = model(input_ids=ids, position_ids=position_ids, use_cache=False).logits
+        logits.square().mean().backward()
+        results.append((logits.detach(), [p.grad.clone() for p in model.parameters()]))
+    (whole, whole_grads), (packed, packed_grads) = results
+    assert built == []
+    assert torch.allclose(packed, whole, atol=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(packed_grads, whole_grads))
+    with torch.no_grad():
+        assert torch.allclose(model(input_ids=ids, position_ids=position_ids, use_cache=False).logits, whole, atol=1e-5)
+    assert built == [(ids.shape[1], ids.shape[1])]  # one mask for the model's layers, outside packed_forward
+
+
+def test_the_mask_is_skipped_only_for_a_causal_models_causal_mask_of_the_packed_sequence():
+    position_ids = torch.tensor([[0, 1, 2, 0, 1]])
+    causal, sliding = Qwen2Config(), Qwen2Config(use_sliding_window=True, sliding_window=2)
+    mask = {"allow_is_causal_skip": False}  # as transformers asks for a packed sequence's
+    with packed_forward(position_ids):
+        assert packed_sdpa_mask(1, 5, 5, config=causal, **mask) is None
+        assert packed_sdpa_mask(1, 5, 5, config=sliding, **mask) is not None
+        assert packed_sdpa_mask(1, 5, 5, config=causal, local_size=2, **mask) is not None  # a window's or chunks' mask
+        assert packed_sdpa_mask(1, 5, 5, config=causal, allow_is_bidirectional_skip=False, **mask) is not None
+        assert packed_sdpa_mask(1, 5, 5, config=causal, use_vmap=True, **mask) is not None  # a custom mask function
+        assert (
+            packed_sdpa_mask(1, 5, 5, attention_mask=torch.ones(1, 5, dtype=torch.bool), config=causal, **mask)
+            is not None
+        )
+        assert packed_sdpa_mask(1, 4, 4, config=causal, **mask) is not None  # another sequence than the packed one
+    assert packed_sdpa_mask(1, 5, 5, config=causal, **mask) is not None
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_sliding_window_masks_and_gradients_match_sdpa_over_the_whole(seed, monkeypatch):
+    """transformers' own mask blocks (here a sliding window of 4 on every layer) reach each row, also inside
+    packed_forward (such a mask is more than causal: it is built), and the gradients through the gathered batch are
+    those of the block-diagonal whole."""
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     model = tiny_qwen2(use_sliding_window=True, sliding_window=4, max_window_layers=0)
     lengths = torch.randint(1, 20, (6,), generator=generator).tolist()
     ids, position_ids = packed_inputs(lengths, generator)
+    built = spy_on_masks(monkeypatch)
     results = []
     for implementation in ("sdpa", PACKED_SDPA):
         model.zero_grad()
         model.set_attn_implementation(implementation)
-        logits = model(input_ids=ids, position_ids=position_ids, use_cache=False).logits
+        with packed_forward(position_ids):
+            logits = model(input_ids=ids, position_ids=position_ids, use_cache=False).logits
         logits.square().mean().backward()
         results.append((logits.detach(), [p.grad.clone() for p in model.parameters()]))
     (whole, whole_grads), (packed, packed_grads) = results
+    assert built  # the packed implementation built the window's mask
     assert torch.allclose(packed, whole, atol=1e-5)
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(packed_grads, whole_grads))
