@@ -42,8 +42,10 @@ _PACKED_POSITIONS: ContextVar[torch.Tensor | None] = ContextVar("ppoflow_packed_
 @contextmanager
 def packed_forward(position_ids: torch.Tensor) -> Iterator[None]:
     """A model's forward over one packed sequence whose (1, N) ``position_ids`` restart at each row, with no padding
-    mask: its attention reads the rows from them (also where a model does not pass position ids to its attention),
-    and a mask that is only causal within the rows is not built."""
+    mask: a mask that would only be causal within the rows is not built (:func:`packed_sdpa_mask`). The attention reads
+    the rows from the position ids the model passes it, in the forward and in a gradient checkpoint's recomputation
+    (after this block); a model that passes none gets plain causal attention over the whole sequence, which the
+    padding-free self-check at load finds (:func:`rl_core.models.logprob.padding_free_mismatch`: padded batches)."""
     token = _PACKED_POSITIONS.set(position_ids)
     try:
         yield
@@ -140,8 +142,6 @@ def packed_sdpa_attention(
     none) is attended as padded batches of rows (:func:`length_buckets`), each row with its own block of
     ``attention_mask`` (causal when there is none)."""
     position_ids = kwargs.get("position_ids")
-    if position_ids is None:  # a model that does not pass them on: the packed forward's own
-        position_ids = _PACKED_POSITIONS.get()
     packed = (
         position_ids is not None
         and query.shape[0] == 1
