@@ -87,6 +87,26 @@ def test_a_model_gives_sdpa_numbers_with_a_call_per_length_bucket(monkeypatch):
     assert torch.allclose(packed, whole, atol=1e-5) and torch.allclose(alone, whole[:, :5], atol=1e-5)
 
 
+IMPLEMENTATIONS = ("sdpa", PACKED_SDPA)  # transformers' SDPA over the whole block-diagonal mask, then the packed one
+
+
+def logits_and_gradients(model, implementation, ids, position_ids):
+    """The logits of a packed forward in ``packed_forward`` (as the padding-free passes run it) with ``implementation``,
+    and the parameters' gradients of their mean square, taken after it (as a training step's backward pass is)."""
+    model.zero_grad()
+    model.set_attn_implementation(implementation)
+    with packed_forward(position_ids):
+        logits = model(input_ids=ids, position_ids=position_ids, use_cache=False).logits
+    logits.square().mean().backward()
+    return logits.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def same_logits_and_gradients(first, second) -> bool:
+    return torch.allclose(first[0], second[0], atol=1e-5) and all(
+        torch.allclose(a, b, atol=1e-6) for a, b in zip(first[1], second[1])
+    )
+
+
 def spy_on_masks(monkeypatch) -> list[tuple[int, int]]:
     """The (q, kv) lengths of every mask SDPA's mask function builds for the packed implementation."""
     built, original = [], packed_attention.sdpa_mask
@@ -108,20 +128,14 @@ def test_a_causal_models_packed_forward_builds_no_mask_and_gives_sdpa_numbers(ch
         model.train()
     ids, position_ids = packed_inputs(torch.randint(1, 20, (6,), generator=generator).tolist(), generator)
     built = spy_on_masks(monkeypatch)
-    results = []
-    for implementation in ("sdpa", PACKED_SDPA):
-        model.zero_grad()
-        model.set_attn_implementation(implementation)
-        with packed_forward(position_ids):
-            logits = model(input_ids=ids, position_ids=position_ids, use_cache=False).logits
-        logits.square().mean().backward()
-        results.append((logits.detach(), [p.grad.clone() for p in model.parameters()]))
-    (whole, whole_grads), (packed, packed_grads) = results
+    whole, packed = (
+        logits_and_gradients(model, implementation, ids, position_ids) for implementation in IMPLEMENTATIONS
+    )
     assert built == []
-    assert torch.allclose(packed, whole, atol=1e-5)
-    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(packed_grads, whole_grads))
+    assert same_logits_and_gradients(packed, whole)
     with torch.no_grad():
-        assert torch.allclose(model(input_ids=ids, position_ids=position_ids, use_cache=False).logits, whole, atol=1e-5)
+        outside = model(input_ids=ids, position_ids=position_ids, use_cache=False).logits
+    assert torch.allclose(outside, whole[0], atol=1e-5)
     assert built == [(ids.shape[1], ids.shape[1])]  # one mask for the model's layers, outside packed_forward
 
 
@@ -154,15 +168,8 @@ def test_sliding_window_masks_and_gradients_match_sdpa_over_the_whole(seed, monk
     lengths = torch.randint(1, 20, (6,), generator=generator).tolist()
     ids, position_ids = packed_inputs(lengths, generator)
     built = spy_on_masks(monkeypatch)
-    results = []
-    for implementation in ("sdpa", PACKED_SDPA):
-        model.zero_grad()
-        model.set_attn_implementation(implementation)
-        with packed_forward(position_ids):
-            logits = model(input_ids=ids, position_ids=position_ids, use_cache=False).logits
-        logits.square().mean().backward()
-        results.append((logits.detach(), [p.grad.clone() for p in model.parameters()]))
-    (whole, whole_grads), (packed, packed_grads) = results
+    whole, packed = (
+        logits_and_gradients(model, implementation, ids, position_ids) for implementation in IMPLEMENTATIONS
+    )
     assert built  # the packed implementation built the window's mask
-    assert torch.allclose(packed, whole, atol=1e-5)
-    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(packed_grads, whole_grads))
+    assert same_logits_and_gradients(packed, whole)
