@@ -36,7 +36,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
 PACKED_SDPA = "ppoflow_packed_sdpa"
-_PACKED_POSITIONS: ContextVar[torch.Tensor | None] = ContextVar("ppoflow_packed_positions", default=None)
+_PACKED_LENGTH: ContextVar[int | None] = ContextVar("ppoflow_packed_length", default=None)  # in packed_forward
 
 
 @contextmanager
@@ -46,11 +46,11 @@ def packed_forward(position_ids: torch.Tensor) -> Iterator[None]:
     the rows from the position ids the model passes it, in the forward and in a gradient checkpoint's recomputation
     (after this block); a model that passes none gets plain causal attention over the whole sequence, which the
     padding-free self-check at load finds (:func:`rl_core.models.logprob.padding_free_mismatch`: padded batches)."""
-    token = _PACKED_POSITIONS.set(position_ids)
+    token = _PACKED_LENGTH.set(position_ids.shape[-1])
     try:
         yield
     finally:
-        _PACKED_POSITIONS.reset(token)
+        _PACKED_LENGTH.reset(token)
 
 
 def causal_only(config: Any) -> bool:
@@ -74,11 +74,11 @@ def packed_sdpa_mask(
     """transformers' mask-interface contract (SDPA's :func:`sdpa_mask`): None inside :func:`packed_forward` for its
     sequence when the mask would only be causal within the rows (no padding mask, no custom mask function, a causal-only
     model: :func:`causal_only`), which :func:`packed_sdpa_attention` then applies per row; SDPA's mask otherwise."""
-    positions = _PACKED_POSITIONS.get()
+    packed_length = _PACKED_LENGTH.get()
     rows_only = (
-        positions is not None
+        packed_length is not None
         and batch_size == 1
-        and q_length == kv_length == positions.shape[-1]
+        and q_length == kv_length == packed_length
         and q_offset == kv_offset == 0
         and attention_mask is None
         and not kwargs.get("use_vmap", False)  # no custom mask function
