@@ -69,6 +69,21 @@ def test_a_refusal_imports_neither_torch_nor_ray_nor_prefect(tmp_path):
         assert result.stdout.splitlines()[-1] == "2 []", result.stdout + result.stderr
 
 
+def test_the_command_imports_no_model_code():
+    """The command's modules (the flow, the step, the input checks, the worker group it creates) import transformers'
+    tokenizers and configs, not its modeling code, which only the workers load (~2-4 s of the command's start-up on 2
+    cores: bench/README.md); the padding-free passes' context and the decode loop's rotation are the project's own for
+    that reason."""
+    code = (
+        "import sys\nimport flows.train, flows.workers\n"
+        "print(sorted(name for name in sys.modules if name in ('transformers.modeling_utils', "
+        "'rl_core.models.packed_attention') or name.startswith('transformers.models.') and '.modeling_' in name "
+        "and '.models.auto.' not in name))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.stdout.splitlines()[-1] == "[]", result.stdout + result.stderr
+
+
 def test_the_resume_check_of_a_fresh_run_imports_neither_mlflow_nor_torch(tmp_path):
     """A run with nothing to resume passes its resume check in milliseconds: MLflow's client and the checkpoint code
     are imported only for a run that has a checkpoint (flows/resume.py::check_resume)."""

@@ -23,7 +23,7 @@ import torch.utils.checkpoint
 
 from rl_core.algos.entropy import entropy_from_logits
 from rl_core.models.multimodal import without_placeholders
-from rl_core.models.packed_attention import packed_forward
+from rl_core.models.packed_context import packed_forward
 
 
 def _chunk_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

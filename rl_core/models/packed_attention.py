@@ -13,11 +13,12 @@ attention alone on the CPU: 2.5x faster than a call per row for 64 rows of 24 to
 else (a batch of rows, a KV cache, no position ids reaching the attention, an additive float mask, a position bias)
 goes to SDPA unchanged.
 
-Inside :func:`packed_forward` (the padding-free passes of :mod:`rl_core.models.logprob`) the packed sequence's mask is
-not built at all where it would only be causal within the rows (a model whose layers all attend fully, no sliding
-window or chunks, no custom mask functions): transformers' (N, N) mask costs N^2 time and memory (16k packed tokens:
-0.77 s and 256 MiB a forward on this CPU; 64 rows of ~20 tokens: a quarter of a tiny model's forward), and each row's
-causal block is all the attention needs. Any other mask is built by SDPA's own mask function, as before.
+Inside :func:`rl_core.models.packed_context.packed_forward` (the padding-free passes of :mod:`rl_core.models.logprob`)
+the packed sequence's mask is not built at all where it would only be causal within the rows (a model whose layers all
+attend fully, no sliding window or chunks, no custom mask functions): transformers' (N, N) mask costs N^2 time and
+memory (16k packed tokens: 0.77 s and 256 MiB a forward on this CPU; 64 rows of ~20 tokens: a quarter of a tiny
+model's forward), and each row's causal block is all the attention needs. Any other mask is built by SDPA's own mask
+function, as before.
 
 It is registered with transformers under :data:`PACKED_SDPA` and chosen where SDPA would be
 (:func:`rl_core.models.loading.attention_implementation`). The name is never written into a saved checkpoint's config.
@@ -26,8 +27,6 @@ It is registered with transformers under :data:`PACKED_SDPA` and chosen where SD
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -35,22 +34,9 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
+from rl_core.models.packed_context import packed_length
+
 PACKED_SDPA = "ppoflow_packed_sdpa"
-_PACKED_LENGTH: ContextVar[int | None] = ContextVar("ppoflow_packed_length", default=None)  # in packed_forward
-
-
-@contextmanager
-def packed_forward(position_ids: torch.Tensor) -> Iterator[None]:
-    """A model's forward over one packed sequence whose (1, N) ``position_ids`` restart at each row, with no padding
-    mask: a mask that would only be causal within the rows is not built (:func:`packed_sdpa_mask`). The attention reads
-    the rows from the position ids the model passes it, in the forward and in a gradient checkpoint's recomputation
-    (after this block); a model that passes none gets plain causal attention over the whole sequence, which the
-    padding-free self-check at load finds (:func:`rl_core.models.logprob.padding_free_mismatch`: padded batches)."""
-    token = _PACKED_LENGTH.set(position_ids.shape[-1])
-    try:
-        yield
-    finally:
-        _PACKED_LENGTH.reset(token)
 
 
 def causal_only(config: Any) -> bool:
@@ -74,11 +60,11 @@ def packed_sdpa_mask(
     """transformers' mask-interface contract (SDPA's :func:`sdpa_mask`): None inside :func:`packed_forward` for its
     sequence when the mask would only be causal within the rows (no padding mask, no custom mask function, a causal-only
     model: :func:`causal_only`), which :func:`packed_sdpa_attention` then applies per row; SDPA's mask otherwise."""
-    packed_length = _PACKED_LENGTH.get()
+    length = packed_length()
     rows_only = (
-        packed_length is not None
+        length is not None
         and batch_size == 1
-        and q_length == kv_length == packed_length
+        and q_length == kv_length == length
         and q_offset == kv_offset == 0
         and attention_mask is None
         and not kwargs.get("use_vmap", False)  # no custom mask function

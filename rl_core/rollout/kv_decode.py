@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
-from transformers.models.llama.modeling_llama import rotate_half
 
 KV_DECODE_MODEL_TYPES = frozenset(
     {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "phi3", "gemma", "gemma2", "gemma3_text"}
@@ -106,15 +105,23 @@ def _projections(attention: torch.nn.Module, h: torch.Tensor) -> tuple[torch.Ten
     return q.view(shape), k.view(shape), v.view(shape)
 
 
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) -> (-x2, x1) over the halves of the last dimension: the rotation by 90 degrees of each pair (i, i + d/2)
+    that rotary embeddings combine with ``cos`` and ``sin`` (Llama's layout; a local copy keeps transformers' modeling
+    code out of the controller, which imports this module through the rollout's registry)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary position embedding of ``x`` (rows, heads, positions, head dim) over the first ``cos.shape[-1]``
     dimensions (all of them but for Phi-3's partial rotary factor), as transformers applies it."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     rotary = cos.shape[-1]
     if rotary == x.shape[-1]:
-        return x * cos + rotate_half(x) * sin
+        return x * cos + _rotate_half(x) * sin
     rotated, passed = x[..., :rotary], x[..., rotary:]
-    return torch.cat([rotated * cos + rotate_half(rotated) * sin, passed], dim=-1)
+    return torch.cat([rotated * cos + _rotate_half(rotated) * sin, passed], dim=-1)
 
 
 def _capped_attention(attention, q, keys, values, mask) -> torch.Tensor:

@@ -8,13 +8,8 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from rl_core.models import packed_attention
-from rl_core.models.packed_attention import (
-    PACKED_SDPA,
-    packed_forward,
-    packed_row_bounds,
-    packed_sdpa_attention,
-    packed_sdpa_mask,
-)
+from rl_core.models.packed_attention import PACKED_SDPA, packed_row_bounds, packed_sdpa_attention, packed_sdpa_mask
+from rl_core.models.packed_context import packed_forward
 
 
 def loop_attention(query, key, value, lengths):
