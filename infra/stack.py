@@ -28,10 +28,10 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import asdict, dataclass, field
+from http.client import HTTPException
 from pathlib import Path
-
-import httpx
 
 from infra import team_backend
 from infra.ray_settings import INLINE_OBJECTS_ENV, LOCAL_CLUSTER_ENV, LOOPBACK_ENV, ensure_auth_token
@@ -117,10 +117,7 @@ class Service:
         if self.name in ("ray", "postgres", "s3"):
             return port_open(self.port, timeout_s)
         path = "/api/health" if self.name == "prefect" else "/health"
-        try:
-            return httpx.get(self.url.rstrip("/").removesuffix("/api") + path, timeout=timeout_s).status_code == 200
-        except httpx.HTTPError:
-            return False
+        return http_ok(self.url.rstrip("/").removesuffix("/api") + path, timeout_s)
 
 
 def service_ports(backend: str) -> dict[str, int]:
@@ -160,6 +157,20 @@ class Stack:
         raw = json.loads(path.read_text())
         services = {name: Service(**service) for name, service in raw["services"].items()}
         return cls(raw["data_dir"], services, raw.get("backend", "sqlite"))
+
+
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the stack's servers are on loopback
+
+
+def http_ok(url: str, timeout_s: float) -> bool:
+    """Whether a GET of the local server's ``url`` answers 200 within ``timeout_s``. Polled while a server boots, so
+    the standard library's client, without proxies: each ``httpx.get`` builds a client and its SSL context (~50 ms of
+    CPU here, 0.3 ms for this), which polling every 0.1 s took from the boot on 2 cores."""
+    try:
+        with _NO_PROXY.open(url, timeout=timeout_s) as response:
+            return response.status == 200
+    except (OSError, HTTPException, ValueError):  # refused, timed out, an error status (HTTPError), a bad answer
+        return False
 
 
 def port_open(port: int, timeout_s: float = 1.0) -> bool:
