@@ -38,13 +38,13 @@ if TYPE_CHECKING:
 
 def configure_prefect() -> None:
     """Flow-run logs (the per-step lines) stay at INFO; Prefect's per-task-run state lines only when they warn. A
-    temporary Prefect server gets the stack's server settings too (task runs recorded in batches, retention).
-    Variables already set win."""
+    temporary Prefect server gets the stack's server settings too (task runs recorded in batches, retention), and no
+    usage telemetry leaves the command (infra/telemetry.py). Variables already set win."""
     from infra.stack import PREFECT_SERVER_SETTINGS
+    from infra.telemetry import NO_TELEMETRY_ENV
 
     os.environ.setdefault("PREFECT_LOGGING_LOGGERS_PREFECT_TASK_RUNS_LEVEL", "WARNING")
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    for key, value in PREFECT_SERVER_SETTINGS.items():
+    for key, value in {**NO_TELEMETRY_ENV, **PREFECT_SERVER_SETTINGS}.items():
         os.environ.setdefault(key, value)
 
 

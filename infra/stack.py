@@ -35,6 +35,7 @@ from pathlib import Path
 
 from infra import team_backend
 from infra.ray_settings import INLINE_OBJECTS_ENV, LOCAL_CLUSTER_ENV, LOOPBACK_ENV, ensure_auth_token
+from infra.telemetry import telemetry_env
 from infra.watchdog import all_stats, stat
 
 HOST = "127.0.0.1"
@@ -226,8 +227,8 @@ def service_command(
             "PREFECT_HOME": str(data / "prefect"),
             "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{data / 'prefect' / 'prefect.db'}",
             "PREFECT_UI_API_URL": url,
-            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
             "PREFECT_API_URL": url,
+            **telemetry_env(),
             **{key: os.environ.get(key, value) for key, value in PREFECT_SERVER_SETTINGS.items()},
             **team.get("prefect", {}),
         }
@@ -252,7 +253,7 @@ def service_command(
             "--artifacts-destination",
             artifacts,
         ]
-        env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **team.get("mlflow", {})}
+        env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **telemetry_env(), **team.get("mlflow", {})}
         return command, env, f"http://{HOST}:{port}"
     if name == LAUNCHER:
         path = launcher_socket()

@@ -24,6 +24,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from infra.ray_settings import INLINE_OBJECTS_ENV
+from infra.telemetry import NO_TELEMETRY_ENV
 
 VALUES_FILE = Path(__file__).with_name("values.yaml")
 RAY_HEAD_SERVICE = "ppoflow-ray-head-svc"  # KubeRay names the head's service <cluster name>-head-svc
@@ -113,7 +114,13 @@ def _tracking_env(values: dict) -> list[dict]:
         {"name": "MLFLOW_S3_ENDPOINT_URL", "value": values["s3"]["endpoint_url"]},
         _secret_env(values, "AWS_ACCESS_KEY_ID", "s3-access-key-id"),
         _secret_env(values, "AWS_SECRET_ACCESS_KEY", "s3-secret-access-key"),
+        *_no_telemetry_env(),
     ]
+
+
+def _no_telemetry_env() -> list[dict]:
+    """No usage telemetry from the servers and the controller (infra/telemetry.py)."""
+    return [{"name": key, "value": value} for key, value in NO_TELEMETRY_ENV.items()]
 
 
 def postgres(values: dict) -> list[dict]:
@@ -182,7 +189,7 @@ def prefect_server(values: dict) -> list[dict]:
                 "value": "postgresql+asyncpg://ppoflow:$(POSTGRES_PASSWORD)@postgres:5432/prefect",
             },
             {"name": "PREFECT_UI_API_URL", "value": pf["ui_api_url"]},
-            {"name": "PREFECT_SERVER_ANALYTICS_ENABLED", "value": "false"},
+            *_no_telemetry_env(),
         ],
         "readinessProbe": {"httpGet": {"path": "/api/health", "port": 4200}, "periodSeconds": 10},
     }
