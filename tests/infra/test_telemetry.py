@@ -22,7 +22,8 @@ print(json.dumps([telemetry.is_telemetry_disabled(), {{key: os.environ.get(key) 
 
 
 def mlflow_decides(configure: bool, **user_env: str) -> list:
-    env = {key: value for key, value in os.environ.items() if key not in NO_TELEMETRY_ENV} | user_env
+    unset = {*NO_TELEMETRY_ENV, "DO_NOT_TRACK"}  # MLflow honours DO_NOT_TRACK too: a machine's own setting
+    env = {key: value for key, value in os.environ.items() if key not in unset} | user_env
     setup = "from flows.prefect_server import configure_prefect\nconfigure_prefect()" if configure else ""
     code = MLFLOW_DECIDES.format(configure=setup, keys=list(NO_TELEMETRY_ENV))
     command = [sys.executable, "-c", code]
