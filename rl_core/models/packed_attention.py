@@ -57,9 +57,10 @@ def packed_sdpa_mask(
     attention_mask: torch.Tensor | None = None,
     **kwargs,
 ) -> torch.Tensor | None:
-    """transformers' mask-interface contract (SDPA's :func:`sdpa_mask`): None inside :func:`packed_forward` for its
-    sequence when the mask would only be causal within the rows (no padding mask, no custom mask function, a causal-only
-    model: :func:`causal_only`), which :func:`packed_sdpa_attention` then applies per row; SDPA's mask otherwise."""
+    """transformers' mask-interface contract (SDPA's :func:`sdpa_mask`): None inside
+    :func:`rl_core.models.packed_context.packed_forward` for its sequence when the mask would only be causal within the
+    rows (no padding mask, no custom mask function, a causal-only model: :func:`causal_only`), which
+    :func:`packed_sdpa_attention` then applies per row; SDPA's mask otherwise."""
     length = packed_length()
     rows_only = (
         length is not None
