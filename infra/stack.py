@@ -267,9 +267,9 @@ def service_command(
             f"--node-ip-address={HOST}",
             f"--port={port}",
             "--include-dashboard=false",
-            "--disable-usage-stats",
         ]
-        return command, {**LOOPBACK_ENV, **LOCAL_CLUSTER_ENV, **INLINE_OBJECTS_ENV}, f"ray://{HOST}:{port}"
+        env = {**LOOPBACK_ENV, **LOCAL_CLUSTER_ENV, **INLINE_OBJECTS_ENV, **telemetry_env()}
+        return command, env, f"ray://{HOST}:{port}"
     raise KeyError(name)
 
 

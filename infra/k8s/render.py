@@ -119,7 +119,7 @@ def _tracking_env(values: dict) -> list[dict]:
 
 
 def _no_telemetry_env() -> list[dict]:
-    """No usage telemetry from the servers and the controller (infra/telemetry.py)."""
+    """No usage telemetry from the servers, the Ray pods and the controller (infra/telemetry.py)."""
     return [{"name": key, "value": value} for key, value in NO_TELEMETRY_ENV.items()]
 
 
@@ -240,6 +240,7 @@ def ray_cluster(values: dict) -> list[dict]:
                 _secret_env(values, "RAY_AUTH_TOKEN", "ray-auth-token"),
                 {"name": "RAY_AUTH_MODE", "value": "token"},
                 *({"name": key, "value": value} for key, value in INLINE_OBJECTS_ENV.items()),
+                *_no_telemetry_env(),
             ],
             "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}],
         }

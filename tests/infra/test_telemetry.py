@@ -1,5 +1,5 @@
 """No usage telemetry leaves a run (infra/telemetry.py): the commands, the stack's servers and the Kubernetes
-manifests turn MLflow's and Prefect's off, and a value the user set wins."""
+manifests turn MLflow's, Prefect's and Ray's off, and a value the user set wins."""
 
 import json
 import os
@@ -39,18 +39,34 @@ def test_a_command_turns_mlflow_and_prefect_telemetry_off_unless_the_user_set_it
     assert disabled is False and env["MLFLOW_DISABLE_TELEMETRY"] == "false"
 
 
+def test_ray_started_by_hand_would_report_and_the_setting_turns_it_off(monkeypatch):
+    from ray._common.usage import usage_lib
+
+    monkeypatch.setenv("RAY_USAGE_STATS_CONFIG_PATH", "/nonexistent/config.json")  # not this machine's own choice
+    monkeypatch.delenv("RAY_USAGE_STATS_ENABLED", raising=False)
+    assert usage_lib.usage_stats_enabled()  # `ray start`'s default: its head reports every hour
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", NO_TELEMETRY_ENV["RAY_USAGE_STATS_ENABLED"])
+    assert not usage_lib.usage_stats_enabled()
+
+
 def test_the_stacks_servers_and_the_manifests_turn_telemetry_off(tmp_path, monkeypatch):
     for key in NO_TELEMETRY_ENV:
         monkeypatch.delenv(key, raising=False)
-    for name in ("prefect", "mlflow"):
+    for name in ("prefect", "mlflow", "ray"):
         _, env, _ = service_command(name, 4200, tmp_path)
         assert NO_TELEMETRY_ENV.items() <= env.items(), name
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "1")  # the user's own choice wins
+    assert service_command("ray", 4200, tmp_path)[1]["RAY_USAGE_STATS_ENABLED"] == "1"
+    manifests = [manifest for group in render(load_values()).values() for manifest in group]
     containers = {
         manifest["metadata"]["name"]: manifest["spec"]["template"]["spec"]["containers"][0]
-        for manifests in render(load_values()).values()
         for manifest in manifests
         if manifest["kind"] == "Deployment"
     }
-    for name in ("prefect", "mlflow", "ppoflow-controller"):
-        env = {item["name"]: item.get("value") for item in containers[name]["env"]}
+    (ray_cluster,) = [manifest for manifest in manifests if manifest["kind"] == "RayCluster"]
+    groups = [ray_cluster["spec"]["headGroupSpec"], *ray_cluster["spec"]["workerGroupSpecs"]]
+    containers |= {f"ray pod {i}": group["template"]["spec"]["containers"][0] for i, group in enumerate(groups)}
+    assert len(containers) == 5
+    for name, container in containers.items():
+        env = {item["name"]: item.get("value") for item in container["env"]}
         assert NO_TELEMETRY_ENV.items() <= env.items(), name
