@@ -10,8 +10,10 @@ import subprocess
 # the embedded cluster: on 127.0.0.1, with Ray's token authentication on (its token in ~/.ray/auth_token)
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token"}
 # clusters this module starts run workers at normal priority: Ray's default niceness (15) lets the controller's
-# own threads preempt the training threads, which stalls every multi-threaded torch op (measured: step 1.38x -> 1.22x)
-LOCAL_CLUSTER_ENV = {"RAY_worker_niceness": "0"}
+# own threads preempt the training threads, which stalls every multi-threaded torch op (measured: step 1.38x -> 1.22x);
+# and start no worker process before a run asks for one: the one Ray starts when the first driver connects stayed idle
+# (the run's actor got a process of its own), ~0.5 CPU-s while a run starts on 2 cores
+LOCAL_CLUSTER_ENV = {"RAY_worker_niceness": "0", "RAY_prestart_worker_first_driver": "0"}
 # every process of a run (the driver too, whichever cluster it joins) passes objects up to 4 MiB inside the call
 # instead of through the shared-memory object store (Ray's default stops at 100 KiB): a step's batch and its
 # results travel inline, measured 2.5-3 ms less per call at 150 KB and a batch-16 demo step 1.2-1.3x faster on Ray
