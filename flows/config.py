@@ -10,6 +10,8 @@ values of the wrong type; :func:`rl_core.config.check_config` refuses values no 
 
 from __future__ import annotations
 
+import copy
+import os
 import re
 import tempfile
 from pathlib import Path
@@ -92,10 +94,31 @@ def bounds_as_strings(overrides: list[str]) -> list[str]:
     return quoted
 
 
+# this process's last composition, {"request": (overrides, base, working folder), "config": ...}: `ppoflow train`
+# composes the run's config to check it, then the flow composes it from its parameters (~0.25 s of Hydra on the path to
+# the first step)
+_LAST_COMPOSED: dict[str, Any] = {}
+
+
 def compose_config(overrides: list[str] | None = None, base: str | None = None) -> DictConfig:
     """The root config with ``overrides`` applied, interpolations resolved and every value checked. ``base`` (the YAML
-    of an earlier run's composed config) replaces the defaults: an evaluation starts from its training run's config."""
-    overrides = bounds_as_strings(list(overrides or []))
+    of an earlier run's composed config) replaces the defaults: an evaluation starts from its training run's config.
+
+    Composing is a function of the overrides, the base, the working folder (relative paths become absolute) and the
+    config files, but for an interpolation in an override (``${oc.env:...}`` reads the environment): the same request
+    as the last one gets a copy of the last config, unless an override interpolates."""
+    request = (tuple(overrides or []), base, os.getcwd())
+    if _LAST_COMPOSED.get("request") == request:
+        return copy.deepcopy(_LAST_COMPOSED["config"])
+    _LAST_COMPOSED.clear()
+    config = _compose_checked(list(request[0]), base)
+    if not any("${" in override for override in request[0]):
+        _LAST_COMPOSED.update(request=request, config=copy.deepcopy(config))
+    return config
+
+
+def _compose_checked(overrides: list[str], base: str | None) -> DictConfig:
+    overrides = bounds_as_strings(overrides)
     try:
         config = _compose(overrides, base)
         # `+profile=demo`: a model of one's own, the demo's values

@@ -233,3 +233,20 @@ def test_the_tool_demo_takes_its_profile_over_the_demos_and_a_users_model_neithe
     assert calc.actor_rollout_ref.actor.clip_ratio_high == compose_config([]).actor_rollout_ref.actor.clip_ratio_high
     own = compose_config(["data.synthetic.task=calc", "actor_rollout_ref.model.path=mine"])
     assert not own.actor_rollout_ref.rollout.multi_turn.enable and own.trainer.experiment_name != "demo_calc"
+
+
+def test_the_same_composition_again_is_an_independent_copy_of_what_the_request_would_compose(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    overrides = ["data.train_files=data/train.jsonl", "trainer.total_training_steps=3"]
+    for _ in range(3):
+        config = compose_config(overrides)
+        assert config.trainer.total_training_steps == 3
+        assert config.data.train_files == str(tmp_path / "data" / "train.jsonl")
+        config.trainer.total_training_steps = 99  # a caller changes its copy (load_inputs fills in the demo's paths)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # relative paths resolve against the new working folder
+    assert compose_config(overrides).data.train_files == str(tmp_path / "elsewhere/data/train.jsonl")
+    interpolating = ["trainer.experiment_name=${oc.env:PPOFLOW_TEST_NAME}"]
+    for name in ("first-name", "second-name"):  # an interpolation reads the environment each time
+        monkeypatch.setenv("PPOFLOW_TEST_NAME", name)
+        assert compose_config(interpolating).trainer.experiment_name == name
