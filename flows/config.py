@@ -94,9 +94,9 @@ def bounds_as_strings(overrides: list[str]) -> list[str]:
     return quoted
 
 
-# this process's last composition, {"request": (overrides, base, working folder), "config": ...}: `ppoflow train`
-# composes the run's config to check it, then the flow composes it from its parameters (~0.25 s of Hydra on the path to
-# the first step)
+# this process's last composition, {"request": (overrides, base, working folder, config files), "config": ...}:
+# `ppoflow train` composes the run's config to check it, then the flow composes it from its parameters (~0.25 s of Hydra
+# on the path to the first step)
 _LAST_COMPOSED: dict[str, Any] = {}
 
 
@@ -106,8 +106,9 @@ def compose_config(overrides: list[str] | None = None, base: str | None = None) 
 
     Composing is a function of the overrides, the base, the working folder (relative paths become absolute) and the
     config files, but for an interpolation in an override (``${oc.env:...}`` reads the environment): the same request
-    as the last one gets a copy of the last config, unless an override interpolates."""
-    request = (tuple(overrides or []), base, os.getcwd())
+    as the last one (the files unchanged) gets a copy of the last config, unless an override interpolates."""
+    files = tuple((str(path), path.stat().st_mtime_ns, path.stat().st_size) for path in CONFIG_DIR.rglob("*.yaml"))
+    request = (tuple(overrides or []), base, os.getcwd(), files)
     if _LAST_COMPOSED.get("request") == request:
         return copy.deepcopy(_LAST_COMPOSED["config"])
     _LAST_COMPOSED.clear()

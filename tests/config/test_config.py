@@ -2,12 +2,13 @@
 
 import inspect
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 from omegaconf import DictConfig, OmegaConf
 
-from flows.config import ConfigError, absolute_paths, compose_config
+from flows.config import CONFIG_DIR, ConfigError, absolute_paths, compose_config
 from rl_core.config import default_config
 from rl_core.config_checks import CHOICES, check_config
 from rl_core.models.optim import build_optimizer
@@ -236,16 +237,22 @@ def test_the_tool_demo_takes_its_profile_over_the_demos_and_a_users_model_neithe
 
 
 def test_the_same_composition_again_is_an_independent_copy_of_what_the_request_would_compose(tmp_path, monkeypatch):
+    configs = tmp_path / "configs"
+    shutil.copytree(CONFIG_DIR, configs)
+    monkeypatch.setattr("flows.config.CONFIG_DIR", configs)
     monkeypatch.chdir(tmp_path)
     overrides = ["data.train_files=data/train.jsonl", "trainer.total_training_steps=3"]
     for _ in range(3):
         config = compose_config(overrides)
-        assert config.trainer.total_training_steps == 3
+        assert config.trainer.total_training_steps == 3 and config.trainer.project_name == "ppoflow"
         assert config.data.train_files == str(tmp_path / "data" / "train.jsonl")
         config.trainer.total_training_steps = 99  # a caller changes its copy (load_inputs fills in the demo's paths)
+    trainer_yaml = configs / "ppo_trainer.yaml"  # a config file edited: composed again
+    trainer_yaml.write_text(trainer_yaml.read_text() + "\ntrainer:\n  project_name: edited\n")
+    assert compose_config(overrides).trainer.project_name == "edited"
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")  # relative paths resolve against the new working folder
-    assert compose_config(overrides).data.train_files == str(tmp_path / "elsewhere/data/train.jsonl")
+    assert compose_config(overrides).data.train_files == str(tmp_path / "elsewhere" / "data" / "train.jsonl")
     interpolating = ["trainer.experiment_name=${oc.env:PPOFLOW_TEST_NAME}"]
     for name in ("first-name", "second-name"):  # an interpolation reads the environment each time
         monkeypatch.setenv("PPOFLOW_TEST_NAME", name)
