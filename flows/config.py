@@ -107,7 +107,7 @@ def compose_config(overrides: list[str] | None = None, base: str | None = None) 
     Composing is a function of the overrides, the base, the working folder (relative paths become absolute) and the
     config files, but for an interpolation in an override (``${oc.env:...}`` reads the environment): the same request
     as the last one (the files unchanged) gets a copy of the last config, unless an override interpolates."""
-    files = tuple((str(path), path.stat().st_mtime_ns, path.stat().st_size) for path in CONFIG_DIR.rglob("*.yaml"))
+    files = tuple((str(path), (found := path.stat()).st_mtime_ns, found.st_size) for path in CONFIG_DIR.rglob("*.yaml"))
     request = (tuple(overrides or []), base, os.getcwd(), files)
     if _LAST_COMPOSED.get("request") == request:
         return copy.deepcopy(_LAST_COMPOSED["config"])
