@@ -19,7 +19,10 @@ logits, Gemma 3's rotary embedding per layer type.
 It samples as ``generate`` does (transformers 5's ``_sample``) but for the draw itself: the last position's float32
 logits go through the given logits processors, a finished row gets the pad token, a row finishes at a stop token, at
 the budget or when a stopping criterion says so, and the loop ends when every row has; without sampling the token is
-the ``argmax``, the tokens ``generate`` gives (a test compares the two on each family). A sampled token is drawn by
+the ``argmax``, the tokens ``generate`` gives (a test compares the two on each family). Unlike ``generate``, the layers
+stop running finished rows: once an eighth of the rows they run have finished, those leave the batch and their cached
+keys and values are dropped (one copy of the others' filled cache, paid back within a few steps); from then on such a
+row's scores are 0 for the processors, and its token is the pad as before. A sampled token is drawn by
 :func:`draw_categorical` (inverse transform) where ``generate`` calls ``torch.multinomial``, which draws one
 exponential per vocabulary entry: 0.33 vs 0.04 ms a step for 64 rows of the demo's 320 tokens, 174 vs 28 ms for
 64 rows of Qwen2.5's 151,936 on this machine. The same distribution, other draws.
@@ -93,6 +96,13 @@ class _LayerCache:
         end = start + keys.shape[2]
         self.keys[:, :, start:end], self.values[:, :, start:end] = keys, values
         return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def keep(self, rows: torch.Tensor, end: int) -> None:
+        """Keeps only ``rows`` (indices into the cached rows), their first ``end`` positions copied."""
+        if self.keys is not None and self.values is not None:
+            for tensor in (self.keys, self.values):
+                tensor[: len(rows), :, :end] = tensor[:, :, :end].index_select(0, rows)
+            self.keys, self.values = self.keys[: len(rows)], self.values[: len(rows)]
 
 
 def _projections(attention: torch.nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -205,6 +215,7 @@ def kv_generate(
     caches = [_LayerCache(width + max_new_tokens) for _ in decoder.layers]
     stops = torch.tensor(stop_token_ids, dtype=torch.long, device=input_ids.device)
     unfinished = torch.ones(rows, dtype=torch.long, device=input_ids.device)
+    computed = torch.arange(rows, device=input_ids.device)  # the rows the layers run: the unfinished ones, roughly
     x, start = decoder.embed_tokens(input_ids), 0
     for step in range(max_new_tokens):
         # ---- forward the new positions through the layers, the cache filled from `start`
@@ -214,6 +225,8 @@ def kv_generate(
         if softcap is not None:  # Gemma's capped logits: cap * tanh(logits / cap)
             logits = torch.tanh(logits / softcap) * softcap
         logits = logits.to(dtype=torch.float32, copy=True)
+        if len(computed) < rows:  # rows no longer run score 0 (each gets the pad below)
+            logits = logits.new_zeros(rows, logits.shape[-1]).index_copy_(0, computed, logits)
         # ---- draw: processors, then draw_categorical (argmax without sampling); finished rows get the pad
         scores = logits
         for processor in logits_processor:
@@ -225,12 +238,18 @@ def kv_generate(
         if stopping_criteria:
             finished |= stopping_criteria(input_ids, scores)
         unfinished = unfinished & ~finished
-        if step + 1 == max_new_tokens or unfinished.max() == 0:
+        left = int(unfinished.sum())
+        if step + 1 == max_new_tokens or left == 0:
             break
-        # ---- the drawn token is the next position, a valid key from now on
+        # ---- the drawn token is the next position, a valid key from now on; finished rows leave the batch
         start += x.shape[1]
         valid[:, start] = True
-        mask = valid[:, None, None, :]
         positions = positions[:, -1:] + 1
-        x = decoder.embed_tokens(token[:, None])
+        if len(computed) - left >= max(1, len(computed) // 8):  # an eighth done: copying the cache pays
+            still = unfinished[computed].nonzero().squeeze(1)
+            for cache in caches:
+                cache.keep(still, start)
+            computed, valid, positions = computed[still], valid[still], positions[still]
+        mask = valid[:, None, None, :]
+        x = decoder.embed_tokens(token[computed, None])
     return input_ids

@@ -84,9 +84,17 @@ def draw(model, do_sample: bool, stopping: StoppingCriteria | None = None, kv: b
     return sequences, recorder.log_probs(sequences[:, WIDTH:])
 
 
+def live(generated: torch.Tensor) -> torch.Tensor:
+    """Which drawn tokens a sample keeps: each row's up to and including its first stop token (the pads after it are
+    drawn from no computed distribution: the loop no longer runs a finished row)."""
+    is_stop = torch.isin(generated, torch.tensor(STOPS)).long()
+    return torch.cumsum(is_stop, -1) - is_stop == 0
+
+
 def assert_same_draws(ours, theirs) -> None:
     assert torch.equal(ours[0], theirs[0])
-    torch.testing.assert_close(ours[1], theirs[1], rtol=0, atol=1e-5, equal_nan=True)
+    kept = live(ours[0][:, WIDTH:])
+    torch.testing.assert_close(ours[1][kept], theirs[1][kept], rtol=0, atol=1e-5, equal_nan=True)
 
 
 @pytest.mark.parametrize("model_type", sorted(KV_DECODE_MODEL_TYPES))
@@ -130,11 +138,9 @@ def test_sampled_log_probs_are_a_full_forwards_over_the_drawn_tokens(model_type)
         for processor in processors:
             scores = processor(sequences[:, : WIDTH + step], scores)
         expected.append(scores.log_softmax(-1).gather(-1, sequences[:, WIDTH + step, None]).squeeze(-1))
-    generated = sequences[:, WIDTH:]
-    is_stop = torch.isin(generated, torch.tensor(STOPS)).long()
-    live = torch.cumsum(is_stop, -1) - is_stop == 0  # up to and including each row's first stop token
-    assert live.sum() > 20 and (~live).any()  # tokens up to each row's stop, and padding after some
-    torch.testing.assert_close(recorded[live], torch.stack(expected, 1)[live], rtol=0, atol=1e-4)
+    kept = live(sequences[:, WIDTH:])
+    assert kept.sum() > 20 and (~kept).any()  # tokens up to each row's stop, and padding after some
+    torch.testing.assert_close(recorded[kept], torch.stack(expected, 1)[kept], rtol=0, atol=1e-4)
 
 
 def test_a_categorical_draw_follows_the_probabilities_and_never_draws_an_excluded_token():
@@ -170,6 +176,23 @@ def test_a_stopping_criterion_ends_the_call_where_generate_ends_it():
     assert ours[0].shape[1] == WIDTH + 4
     assert_same_draws(ours, draw(model, False, StopAtColumn(WIDTH + 4), kv=False))
     assert draw(model, True, StopAtColumn(WIDTH + 3))[0].shape[1] == WIDTH + 3
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_finished_rows_leave_the_batch_the_draws_unchanged(do_sample):
+    """Once an eighth of the rows the layers run have finished, the loop drops them (their cached keys and values
+    too): the tokens stay generate's (greedy) and the log-probs a full forward's (sampled: the other tests), and the
+    layers ran fewer rows as rows finished, never fewer than the unfinished ones."""
+    model = random_model("qwen2")
+    rows_run = []
+    model.model.layers[0].input_layernorm.register_forward_hook(lambda module, args, out: rows_run.append(len(out)))
+    sequences, log_probs = draw(model, do_sample)
+    if not do_sample:
+        assert_same_draws((sequences, log_probs), draw(model, do_sample, kv=False))
+    unfinished = live(sequences[:, WIDTH:]).sum(0)  # rows not finished before each step
+    ran = rows_run[: len(unfinished)]  # the KV loop's steps (generate's forwards come after, when compared)
+    assert ran[0] == 8 and ran[-1] < 8 and ran == sorted(ran, reverse=True)
+    assert all(run >= int(left) for run, left in zip(ran, unfinished))
 
 
 def test_a_lora_adapter_is_applied_in_the_kv_loop():
