@@ -67,6 +67,8 @@ def seconds(model: Path, batch: Batch, settings: list[str], repeats: int) -> dic
             f"actor_rollout_ref.actor.ppo_mini_batch_size={len(batch)}",  # one optimizer step
             "actor_rollout_ref.rollout.n=1",
             "actor_rollout_ref.actor.fsdp_config.dtype=float32",  # verl's bf16 is a GPU's
+            f"data.max_prompt_length={PROMPT}",  # the lengths the token budgets are checked against
+            f"data.max_response_length={batch.tensors[RESPONSES].shape[1]}",
             *settings,
         ]
     )
