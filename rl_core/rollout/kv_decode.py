@@ -188,6 +188,19 @@ def _rotary_per_layer(decoder: torch.nn.Module, x: torch.Tensor, positions: torc
     return [by_type[layer_types[i]] for i in range(len(layers))]
 
 
+def _last_logits(lm: torch.nn.Module, x: torch.Tensor, computed: torch.Tensor, rows: int) -> torch.Tensor:
+    """The float32 logits (rows, vocabulary) at the last position of ``x``, the hidden states of the rows ``computed``
+    (Gemma's capped: cap * tanh(logits / cap)); 0 for a row no longer run (it gets the pad)."""
+    logits = lm.lm_head(lm.model.norm(x[:, -1:]))[:, -1]
+    softcap = getattr(lm.config, "final_logit_softcapping", None)
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    logits = logits.to(dtype=torch.float32, copy=True)
+    if len(computed) < rows:
+        logits = logits.new_zeros(rows, logits.shape[-1]).index_copy_(0, computed, logits)
+    return logits
+
+
 @torch.no_grad()
 def kv_generate(
     model: torch.nn.Module,
@@ -205,7 +218,7 @@ def kv_generate(
     tokens, one column per step run), sampled tokens drawn from ``generator``: see the module doc. The processors
     are called one by one (``LogitsProcessorList`` inspects each one's signature at every step)."""
     lm = _causal_lm(model)
-    decoder, softcap = lm.model, getattr(lm.config, "final_logit_softcapping", None)
+    decoder = lm.model
     rows, width = input_ids.shape
     valid = torch.zeros(rows, width + max_new_tokens, dtype=torch.bool, device=input_ids.device)
     valid[:, :width] = attention_mask.bool()
@@ -221,12 +234,7 @@ def kv_generate(
         # ---- forward the new positions through the layers, the cache filled from `start`
         for layer, cache, (cos, sin) in zip(decoder.layers, caches, _rotary_per_layer(decoder, x, positions)):
             x = _attend(layer, x, cos, sin, cache, start, mask)
-        logits = lm.lm_head(decoder.norm(x[:, -1:]))[:, -1]
-        if softcap is not None:  # Gemma's capped logits: cap * tanh(logits / cap)
-            logits = torch.tanh(logits / softcap) * softcap
-        logits = logits.to(dtype=torch.float32, copy=True)
-        if len(computed) < rows:  # rows no longer run score 0 (each gets the pad below)
-            logits = logits.new_zeros(rows, logits.shape[-1]).index_copy_(0, computed, logits)
+        logits = _last_logits(lm, x, computed, rows)
         # ---- draw: processors, then draw_categorical (argmax without sampling); finished rows get the pad
         scores = logits
         for processor in logits_processor:
@@ -246,7 +254,7 @@ def kv_generate(
         valid[:, start] = True
         positions = positions[:, -1:] + 1
         if len(computed) - left >= max(1, len(computed) // 8):  # an eighth done: copying the cache pays
-            still = unfinished[computed].nonzero().squeeze(1)
+            still = unfinished[computed].nonzero().squeeze(1)  # indices into the rows run
             for cache in caches:
                 cache.keep(still, start)
             computed, valid, positions = computed[still], valid[still], positions[still]
