@@ -72,6 +72,7 @@ def main() -> None:
     models.add_argument("--compute-bound", action="store_true", help="vs_trl.py --compute-bound's ~24M Qwen2")
     parser.add_argument("--lengths", choices=["budget", "uniform"], default="budget", help="where each row ends")
     args = parser.parse_args()
+    model_kind = args.family or ("compute_bound" if args.compute_bound else "demo")
 
     with tempfile.TemporaryDirectory(prefix="ppoflow-decode-") as folder:
         model_dir = (
@@ -122,8 +123,7 @@ def main() -> None:
         decode_times["generate"].append(median_ms(with_generate, args.repeats))
         decode_times["kv loop"].append(median_ms(with_kv_loop, args.repeats))
     decode = {name: statistics.median(times) for name, times in decode_times.items()}
-    model_name = "the ~24M Qwen2" if args.compute_bound else "the demo's model"
-    model_name = f"a tiny {args.family}" if args.family else model_name
+    model_name = {"demo": "the demo's model", "compute_bound": "the ~24M Qwen2"}.get(model_kind, f"a tiny {model_kind}")
     label = f"{args.rows} rows x {'1-' * (args.lengths == 'uniform')}{args.tokens} sampled tokens, {model_name}"
     rows.append((label, decode["generate"], decode["kv loop"]))
     draws = {}
@@ -138,7 +138,7 @@ def main() -> None:
     for what, before, after in rows:
         print(f"{what:58s} {before:21.2f} ms {after:15.2f} ms")
     result = {
-        "family": args.family or ("compute_bound" if args.compute_bound else "demo"),
+        "family": model_kind,
         "rows": args.rows,
         "lengths": args.lengths,
         "tokens": args.tokens,

@@ -98,11 +98,10 @@ class _LayerCache:
         return self.keys[:, :, :end], self.values[:, :, :end]
 
     def keep(self, rows: torch.Tensor, end: int) -> None:
-        """Keeps only ``rows`` (indices into the cached rows), their first ``end`` positions copied."""
-        if self.keys is not None and self.values is not None:
-            for tensor in (self.keys, self.values):
-                tensor[: len(rows), :, :end] = tensor[:, :, :end].index_select(0, rows)
-            self.keys, self.values = self.keys[: len(rows)], self.values[: len(rows)]
+        """Keeps only ``rows`` (indices into the cached rows), their first ``end`` positions copied (after a write)."""
+        for tensor in (self.keys, self.values):
+            tensor[: len(rows), :, :end] = tensor[:, :, :end].index_select(0, rows)
+        self.keys, self.values = self.keys[: len(rows)], self.values[: len(rows)]
 
 
 def _projections(attention: torch.nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
