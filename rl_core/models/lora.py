@@ -26,7 +26,10 @@ def uses_lora(model_config: Any) -> bool:
 
 
 def apply_lora(model: torch.nn.Module, model_config: Any, task_type: str = "CAUSAL_LM") -> torch.nn.Module:
-    """Wrap ``model`` with a trainable LoRA adapter as ``model_config`` asks; unchanged when LoRA is off."""
+    """Wrap ``model`` with a trainable LoRA adapter as ``model_config`` asks; unchanged when LoRA is off (peft not
+    imported then: ~230 modules, which a standby worker would import too)."""
+    if not uses_lora(model_config):
+        return model
     from peft import LoraConfig, PeftModel, get_peft_model
 
     adapter_path = model_config.lora_adapter_path
@@ -37,9 +40,6 @@ def apply_lora(model: torch.nn.Module, model_config: Any, task_type: str = "CAUS
                 "adapter folder (a checkpoint's actor/ folder of a LoRA run)"
             )
         return PeftModel.from_pretrained(model, str(Path(adapter_path).expanduser()), is_trainable=True)
-    rank = int(model_config.lora_rank)
-    if rank <= 0:
-        return model
     target_modules = model_config.target_modules
     if not isinstance(target_modules, str):
         target_modules = list(target_modules)
@@ -52,7 +52,7 @@ def apply_lora(model: torch.nn.Module, model_config: Any, task_type: str = "CAUS
     if not exclude and is_vision_language(model):
         exclude = VISION_LORA_EXCLUDE
     lora_config = LoraConfig(
-        r=rank,
+        r=int(model_config.lora_rank),
         lora_alpha=int(model_config.lora_alpha),
         target_modules=target_modules,
         lora_dropout=0.0,

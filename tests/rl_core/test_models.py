@@ -129,6 +129,15 @@ def test_lora_trains_only_the_adapter_and_disabling_it_gives_the_base_model(tiny
     assert not torch.allclose(enabled, expected, atol=1e-3)
 
 
+def test_a_model_without_lora_is_returned_as_it_is_without_importing_peft(monkeypatch):
+    # peft is ~230 modules on each worker's start (and a standby worker imports what a used one had)
+    monkeypatch.setitem(sys.modules, "peft", None)  # an import of peft would now raise ImportError
+    model = torch.nn.Linear(2, 2)
+    assert apply_lora(model, ModelConfig()) is model
+    with pytest.raises(ImportError):
+        apply_lora(model, ModelConfig(lora_rank=4, lora_alpha=8, target_modules="all-linear"))
+
+
 def test_no_layer_is_swapped_for_a_kernel_from_the_hub(tiny_model_path):
     # transformers 5 with the `kernels` package (its dependency) kernelizes a model by default: layers replaced by
     # code downloaded from the Hugging Face Hub, and a re-kernelization at each train()/eval() switch
