@@ -12,8 +12,14 @@ LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "toke
 # clusters this module starts run workers at normal priority: Ray's default niceness (15) lets the controller's
 # own threads preempt the training threads, which stalls every multi-threaded torch op (measured: step 1.38x -> 1.22x);
 # and start no worker process before a run asks for one: the one Ray starts when the first driver connects stayed idle
-# (the run's actor got a process of its own), ~0.5 CPU-s while a run starts on 2 cores
-LOCAL_CLUSTER_ENV = {"RAY_worker_niceness": "0", "RAY_prestart_worker_first_driver": "0"}
+# (the run's actor got a process of its own), ~0.5 CPU-s while a run starts on 2 cores; and a head run by `ray start
+# --block` (the stack's) ends at once on SIGTERM: Ray drains it first for up to 30 s (for Ray Serve's replicas) while
+# any actor lives, so `ppoflow down` with a standby group took 32 s
+LOCAL_CLUSTER_ENV = {
+    "RAY_worker_niceness": "0",
+    "RAY_prestart_worker_first_driver": "0",
+    "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+}
 # every process of a run (the driver too, whichever cluster it joins) passes objects up to 4 MiB inside the call
 # instead of through the shared-memory object store (Ray's default stops at 100 KiB): a step's batch and its
 # results travel inline, measured 2.5-3 ms less per call at 150 KB and a batch-16 demo step 1.2-1.3x faster on Ray

@@ -108,6 +108,8 @@ def test_up_status_train_down(stack_env, tmp_path, demo_cache):
     # the stack started again: its launcher offers the standby workers the last run left (what they were made from is
     # kept in the stack's folder), and the first run after `up` adopts them
     assert ppoflow(stack_env, "down", timeout=120).returncode == 0
+    # Ray's head ended on SIGTERM at once, though the standby workers live (Ray drains a node first, up to 30 s)
+    assert "Draining for up to" not in (tmp_path / "home" / "data" / "logs" / "ray.log").read_text()
     assert ppoflow(stack_env, *started.args[3:]).returncode == 0  # `up` on the same ports
     launcher_log = tmp_path / "home" / "data" / "logs" / "launcher.log"
     deadline = time.monotonic() + 60
