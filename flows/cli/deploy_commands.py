@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from flows.cli.stack_commands import use_stack
@@ -11,6 +12,9 @@ from flows.prefect_server import configure_prefect
 
 
 def _serve(args: argparse.Namespace) -> int:
+    # Ctrl-C stops it (as it stops train, sweep and evaluate) even where it started with SIGINT ignored, which Python
+    # then leaves ignored: a background job of a script, a test runner's child
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     configure_prefect()
     use_stack()
     from flows.deployments import PrefectUnavailableError, serve_deployments

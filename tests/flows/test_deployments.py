@@ -64,11 +64,12 @@ def served(prefect_api, ray_address, tmp_path_factory):
                 time.sleep(1)
             yield client, found, log
     finally:
-        process.send_signal(signal.SIGINT)
+        process.send_signal(signal.SIGINT)  # a user's Ctrl-C: it stops (the suite may run with SIGINT ignored)
         try:
             process.wait(30)
         except subprocess.TimeoutExpired:
             process.kill()
+            raise AssertionError("`ppoflow serve` did not stop on SIGINT within 30 s:\n" + log.read_text()) from None
 
 
 def wait_final(client, flow_run_id, timeout_s: float = 300):
