@@ -89,7 +89,8 @@ def test_a_pool_waiting_for_room_calls_make_room_until_it_is_placed(ray_address)
     began = time.monotonic()
     try:
         waiting.create("make-room-test", timeout_s=30)
-        assert len(waiting.placement_groups) == 1 and len(calls) == 2
+        # placed only once the second call freed the room: Ray may take another second or two to place it under load
+        assert len(waiting.placement_groups) == 1 and len(calls) >= 2
         assert 1.5 < time.monotonic() - began < 10  # about a second between calls, placed once the room is free
     finally:
         waiting.remove()
