@@ -12,6 +12,7 @@ An address that does not answer is an error within ``timeout_s`` seconds instead
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import shutil
@@ -20,7 +21,9 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import ray
 
@@ -49,6 +52,34 @@ def _stay_on_loopback() -> None:
 
 
 _embedded = False  # whether connect() started the cluster in this process (it ends with the process)
+# what `ray start` can leave out and ray.init cannot: the autoscaler's monitor (`--no-monitor`) and the log monitor
+# (`--include-log-monitor=false`), as Ray's own parameters of a node
+NO_MONITORS = {"no_monitor": True, "include_log_monitor": False}
+
+
+@contextlib.contextmanager
+def _without_monitors() -> Iterator[None]:
+    """While it is open, a local cluster that ``ray.init`` starts has neither of Ray's two monitor processes: the
+    autoscaler's (a one-machine cluster has no nodes to add) and the log monitor (it streams the workers' output to
+    drivers, and ppoflow's connect with ``log_to_driver=False``). Two Python processes (~1.1 CPU-s) booting beside
+    the run's own on a small machine: a run's start-up 13.3 -> 12.3 s on 2 cores (bench/README.md). ``ray start``
+    has a switch for each (the stack's head keeps them: ``ray status`` reads the autoscaler's); ``ray.init`` has none,
+    so the node parameters it builds get them for the call (no change where a Ray release lacks the fields)."""
+    from ray._private.parameter import RayParams
+
+    original = RayParams.__init__
+    if not set(NO_MONITORS) <= set(inspect.signature(original).parameters):
+        yield
+        return
+
+    def without(self: RayParams, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **{**NO_MONITORS, **kwargs})
+
+    RayParams.__init__ = without
+    try:
+        yield
+    finally:
+        RayParams.__init__ = original
 
 
 class ClusterUnreachableError(ConnectionError):
@@ -151,7 +182,10 @@ def connect(
             os.environ.setdefault(key, value)
         # address="local": a cluster of this process's own, even when another one runs on the machine (ray.init()
         # without an address would join that one, and this run would take it for its own)
-        ray.init(address="local", num_cpus=num_cpus, namespace=namespace, include_dashboard=False, log_to_driver=False)
+        with _without_monitors():
+            ray.init(
+                address="local", num_cpus=num_cpus, namespace=namespace, include_dashboard=False, log_to_driver=False
+            )
     if callable(sigterm_handler):  # ray.init replaces it with an immediate exit; the command's own stops cleanly
         signal.signal(signal.SIGTERM, sigterm_handler)
     secure_auth_token()

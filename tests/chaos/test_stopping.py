@@ -98,6 +98,8 @@ def test_sigkill_of_the_controller_leaves_no_process_and_the_next_run_marks_it_k
     lines = [command_line(pid) for pid in started]
     assert any("uvicorn" in line and "prefect.server" in line for line in lines), lines  # Prefect's temporary server
     assert any("raylet" in line for line in lines), lines
+    # a one-machine cluster of one driver: neither of Ray's monitors (infra/cluster.py::_without_monitors)
+    assert not any(script in line for line in lines for script in ("/monitor.py", "/log_monitor.py")), lines
     controller.kill()
     controller.wait()
     wait_until(

@@ -36,6 +36,21 @@ def test_an_unreachable_address_fails_within_seconds():
     assert time.monotonic() - start < 30
 
 
+def test_the_local_cluster_s_node_parameters_leave_out_ray_s_monitors_while_it_starts():
+    """connect() starts a local cluster inside `_without_monitors`: Ray's node parameters built then say no
+    autoscaler monitor and no log monitor (an explicit value still wins); built after, Ray's defaults again."""
+    from ray._private.parameter import RayParams
+
+    from infra import cluster
+
+    with cluster._without_monitors():
+        inside, explicit = RayParams(), RayParams(include_log_monitor=True)
+    after = RayParams()
+    assert (inside.no_monitor, inside.include_log_monitor) == (True, False)
+    assert explicit.include_log_monitor is True
+    assert (after.no_monitor, after.include_log_monitor) == (False, None)
+
+
 def test_a_connection_begun_in_the_background_is_the_one_connect_waits_for(ray_address):
     """`ppoflow train` starts connecting at once, in a thread; the flow's connect() then waits for that connection, or
     reports why it failed."""
