@@ -7,7 +7,8 @@ Ray 2.60 does three things on its own that the embedded default must override or
     that (secure by default): drivers on the same machine find the token there, remote ones need
     RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH;
   * it starts an autoscaler monitor and a log monitor with every local cluster; the embedded one, a single machine
-    whose drivers take no workers' output, starts neither (:func:`_without_monitors`).
+    whose drivers take no workers' output, starts neither (:func:`_without_monitors`); and it waits for a new
+    raylet a whole second at a time (:func:`_raylet_looked_up_often`).
 An address that does not answer is an error within ``timeout_s`` seconds instead of Ray's long retry loop.
 """
 
@@ -23,6 +24,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -82,6 +84,49 @@ def _without_monitors() -> Iterator[None]:
         yield
     finally:
         RayParams.__init__ = original
+
+
+RAYLET_POLL_S = 0.05  # how often a local cluster's start asks Ray's GCS whether its raylet has registered
+RAYLET_WAIT_S = 10.0  # for that long (it registers 1-3 s after its start here); then Ray's own lookup (up to 30 s)
+
+
+@contextlib.contextmanager
+def _raylet_looked_up_often() -> Iterator[None]:
+    """While it is open, a local cluster that ``ray.init`` starts is found registered within ``RAYLET_POLL_S`` of its
+    raylet registering. Ray looks the new raylet up in a loop that sleeps a whole second between tries
+    (``GlobalStateAccessor::GetNode``), first 0.1 s after starting it, while the raylet registers ~1.1 s after its
+    start (once its two agents answer): the cluster was up 1 or 2 s after the raylet, by the second's grain. Here
+    Ray's GCS is asked every ``RAYLET_POLL_S`` first (its Python client), then Ray's lookup runs and finds it at once
+    (a raylet not registered within ``RAYLET_WAIT_S`` is left to Ray's lookup, which reports it as it would have)."""
+    import ray._private.services as services
+
+    original = services.get_node
+
+    def get_node(gcs_address: str, node_id: str) -> Any:
+        from ray._raylet import GcsClient
+
+        client, deadline = GcsClient(address=gcs_address), time.monotonic() + RAYLET_WAIT_S
+        while not _registered(client, node_id) and time.monotonic() < deadline:
+            time.sleep(RAYLET_POLL_S)
+        return original(gcs_address, node_id)
+
+    services.get_node = get_node
+    try:
+        yield
+    finally:
+        services.get_node = original
+
+
+def _registered(client: Any, node_id: str) -> bool:
+    """Whether the raylet ``node_id`` (hex) is alive in the GCS of ``client`` (Ray's ``GcsClient``; False while the
+    GCS does not answer)."""
+    from ray.core.generated.gcs_pb2 import GcsNodeInfo
+
+    try:
+        nodes = client.get_all_node_info(timeout=5)
+    except Exception:
+        return False
+    return any(key.hex() == node_id and info.state == GcsNodeInfo.ALIVE for key, info in nodes.items())
 
 
 class ClusterUnreachableError(ConnectionError):
@@ -184,7 +229,7 @@ def connect(
             os.environ.setdefault(key, value)
         # address="local": a cluster of this process's own, even when another one runs on the machine (ray.init()
         # without an address would join that one, and this run would take it for its own)
-        with _without_monitors():
+        with _without_monitors(), _raylet_looked_up_often():
             ray.init(
                 address="local", num_cpus=num_cpus, namespace=namespace, include_dashboard=False, log_to_driver=False
             )

@@ -14,11 +14,15 @@ LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "toke
 # and start no worker process before a run asks for one: the one Ray starts when the first driver connects stayed idle
 # (the run's actor got a process of its own), ~0.5 CPU-s while a run starts on 2 cores; and a head run by `ray start
 # --block` (the stack's) ends at once on SIGTERM: Ray drains it first for up to 30 s (for Ray Serve's replicas) while
-# any actor lives, so `ppoflow down` with a standby group took 32 s
+# any actor lives, so `ppoflow down` with a standby group took 32 s; and a raylet that finds its own object store's
+# socket not there yet (it starts the store in a thread just before) tries again after 0.1 s instead of a whole second
+# (Ray's 10 tries 1 s apart: a 1-s stall in 3 starts of 5 here), with the same 10 s of patience in all
 LOCAL_CLUSTER_ENV = {
     "RAY_worker_niceness": "0",
     "RAY_prestart_worker_first_driver": "0",
     "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+    "RAY_raylet_client_connect_timeout_milliseconds": "100",
+    "RAY_raylet_client_num_connect_attempts": "100",
 }
 # every process of a run (the driver too, whichever cluster it joins) passes objects up to 4 MiB inside the call
 # instead of through the shared-memory object store (Ray's default stops at 100 KiB): a step's batch and its

@@ -51,6 +51,27 @@ def test_the_local_cluster_s_node_parameters_leave_out_ray_s_monitors_while_it_s
     assert (after.no_monitor, after.include_log_monitor) == (False, None)
 
 
+def test_a_starting_cluster_s_raylet_is_looked_up_in_ray_s_gcs_and_then_by_ray(ray_address):
+    """Inside `_raylet_looked_up_often`, Ray's lookup of a new raylet first asks the GCS itself, often: a live raylet
+    is found registered, a made-up one is not; the lookup then gives Ray's own answer, and Ray's is back after."""
+    import ray._private.services as services
+    from ray._raylet import GcsClient
+
+    from infra import cluster
+
+    context = ray.get_runtime_context()
+    gcs, node = context.gcs_address, context.get_node_id()
+    client = GcsClient(address=gcs)
+    assert cluster._registered(client, node)
+    assert not cluster._registered(client, "ab" * 28)
+    original = services.get_node
+    with cluster._raylet_looked_up_often():
+        assert services.get_node is not original
+        found = services.get_node(gcs, node)
+    assert services.get_node is original
+    assert found["node_id"] == original(gcs, node)["node_id"]
+
+
 def test_a_connection_begun_in_the_background_is_the_one_connect_waits_for(ray_address):
     """`ppoflow train` starts connecting at once, in a thread; the flow's connect() then waits for that connection, or
     reports why it failed."""
