@@ -1,14 +1,15 @@
 """Connecting to a Ray cluster, or starting the embedded local one on 127.0.0.1.
 
-Ray 2.60 does three things on its own that the embedded default must override or keep deliberately:
+What Ray 2.60 does on its own for a local cluster, and what the embedded default overrides or keeps deliberately:
   * it resolves "localhost" to the machine's network address and listens on every interface; setting
     RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (the switch Ray uses for laptops) keeps a local cluster on 127.0.0.1;
   * it enables token authentication for local clusters and writes the token to ~/.ray/auth_token; we keep
     that (secure by default): drivers on the same machine find the token there, remote ones need
     RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH;
   * it starts an autoscaler monitor and a log monitor with every local cluster; the embedded one, a single machine
-    whose drivers take no workers' output, starts neither (:func:`_without_monitors`); and it waits for a new
-    raylet a whole second at a time (:func:`_raylet_looked_up_often`).
+    whose drivers take no workers' output, starts neither (:func:`_without_monitors`);
+  * it waits for a new raylet a whole second at a time; the embedded one asks every 50 ms
+    (:func:`_raylet_looked_up_often`).
 An address that does not answer is an error within ``timeout_s`` seconds instead of Ray's long retry loop.
 """
 
