@@ -1,8 +1,9 @@
 """Standby worker groups on the ``ppoflow up`` stack: a run that ends leaves one, the stack's launcher offers one again.
 
-A training run on the stack that finishes (or is told to stop) ends its worker group and starts, in its place, a
-standby group of the same shape whose workers import what the used ones had imported (infra/standby.py), while no run
-waits; the next run of that shape adopts it (:func:`flows.workers.adopt_standby`). What it was made from is kept in
+A training run on the stack that finishes (or is told to stop) leaves a standby group of its workers' shape
+(infra/standby.py), which the next run of that shape adopts (:func:`flows.workers.adopt_standby`): its own workers
+when they can serve another run (:func:`serve_again`: their imports done, nothing to wait for), else a new group, in
+their place, whose workers import what the used ones had imported, while no run waits. What it was made from is kept in
 the stack's folder (:func:`standby_recipe`), so that the launcher offers the same group when the stack starts again.
 """
 
@@ -37,6 +38,7 @@ STANDBY_SWITCH = "PPOFLOW_STANDBY_WORKERS"  # "0": a run on the stack leaves no 
 # module (it may change before the run that adopts the worker)
 STANDBY_IMPORTS = ("torch", "transformers", "peft", "safetensors", "tokenizers", "rl_core", "infra")
 STANDBY_ROOM_S = 10.0  # how long a run ending waits for room for a standby group (another run may hold it)
+SERVE_AGAIN_S = 10.0  # how long a run ending waits for its workers to be ready for another run
 
 
 def leaves_standby() -> bool:
@@ -53,31 +55,63 @@ def leaves_standby() -> bool:
 
 
 def leave_standby(used: WorkerGroup, config: DictConfig) -> str:
-    """End the run's ``used`` group and offer a standby group of its shape in its place (:func:`offer_standby`), its
-    workers importing what the used rank 0 had imported of STANDBY_IMPORTS; the stack's next start offers the same
-    (:func:`offer_recorded_standby`). Returns a line saying what was left."""
+    """Offer a standby group of the run's shape once the run's ``used`` group has served it: that group itself when it
+    can serve another run (:func:`serve_again`), else a new one in its place (:func:`offer_standby`), its workers
+    importing what the used rank 0 had imported of STANDBY_IMPORTS, the used group ended. The stack's next start offers
+    the same (:func:`offer_recorded_standby`). Returns a line saying what was left."""
     began = time.perf_counter()
     try:
         imports = ray.get(used.actors[0].imported_modules.remote(list(STANDBY_IMPORTS)), timeout=2)
     except Exception:  # a rank gone or still in a call (a run told to stop): it imports what its constructor does
         imports = []
-    used.kill()
+    why_not_again = serve_again(used, config) if imports else "a worker is gone or still in a call"
+    if why_not_again:
+        used.kill()
+        standby.forget(workers_namespace(config))
+        left = offer_standby(config, imports)
+        if left is not None:
+            return f"no standby workers left ({left})"
+        how = f"new ones importing {len(imports)} modules (not the run's own: {why_not_again})"
+    else:
+        how = "the run's own, their imports done"
+    _record_recipe(config, imports)
+    return (
+        f"left {resource_pool(config).world_size} standby worker(s) in {time.perf_counter() - began:.2f} s, {how}, "
+        "for the next run of this shape"
+    )
+
+
+def serve_again(used: WorkerGroup, config: DictConfig) -> str:
+    """Offer the run's ``used`` group as the standby group of its shape, its processes as they are: when it is one
+    the run adopted (a group started in the run's own namespace would be found there by a later controller of the
+    run, infra/standby.py) and every worker can serve another run (:meth:`FusedWorkerBase.serve_again`: a CPU
+    worker that imported no user code and left nothing running). Returns "" when it is offered, else why not."""
+    if standby.NAMESPACE_MARK not in used.namespace:
+        return "they were started for this run alone"
+    try:
+        specs, labels = role_specs(config), {RUN_LABEL: STANDBY_LABEL}
+        answers = ray.get([actor.serve_again.remote(specs, labels) for actor in used.actors], timeout=SERVE_AGAIN_S)
+    except Exception as error:  # a rank gone, or still busy
+        return f"{type(error).__name__}: {error}"[:200]
+    why_not = next((answer for answer in answers if answer), "")
+    if why_not:
+        return why_not
+    release_standby()  # one standby group at a time (this one is still recorded as the run's: spared)
+    standby.register(used.namespace, worker_shape(config))
     standby.forget(workers_namespace(config))
-    left = offer_standby(config, imports)
-    if left is not None:
-        return f"no standby workers left ({left})"
+    return ""
+
+
+def _record_recipe(config: DictConfig, imports: list[str]) -> None:
+    """Write down what the standby group was made from (:func:`standby_recipe`): the run's config without its
+    secrets (the standby workers need none: the adopting run gives its own config) and the workers' imports."""
     from flows.secrets import redacted
 
-    # the standby workers need no secret (the adopting run gives its own config): none is written down
     recipe, staging = standby_recipe(), standby_recipe().with_suffix(".tmp")
     recipe.parent.mkdir(parents=True, exist_ok=True)
     with os.fdopen(os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as handle:
         json.dump({"config": OmegaConf.to_yaml(redacted(config)), "imports": imports}, handle)
     os.replace(staging, recipe)
-    return (
-        f"left {resource_pool(config).world_size} standby worker(s) in {time.perf_counter() - began:.2f} s, importing "
-        f"{len(imports)} modules, for the next run of this shape"
-    )
 
 
 def offer_standby(config: DictConfig, imports: list[str]) -> str | None:

@@ -20,6 +20,7 @@ import ray
 from omegaconf import DictConfig
 
 from infra import standby
+from infra.fused_worker import PROJECT_ROOT, WORKER_PACKAGES
 from infra.resource_pool import ResourcePool, remove_placement_groups, smallest_node_cpus
 from infra.weight_transport import CollectiveTransport, ObjectStoreTransport
 from infra.worker_group import WorkerGroup, placement_group_prefix
@@ -35,7 +36,6 @@ NAMESPACE_PREFIX = "ppoflow-run-"
 WORKERS_NAMESPACE_TAG = "ppoflow.workers_namespace"  # the MLflow run's tag naming its workers' namespace
 RUN_LABEL = "mlflow_run_id"  # the group's label naming the MLflow run it serves (beside the namespace)
 STANDBY_LABEL = "standby"  # a standby group's run label (`ppoflow workers` lists it so)
-PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def workers_namespace(config: DictConfig) -> str:
@@ -360,7 +360,7 @@ def code_fingerprint() -> str:
     """The workers' code as it is on disk: every source file of ``rl_core`` and ``infra`` (path, size, modification
     time). A worker that imported other code fits no run."""
     entries = []
-    for package in ("rl_core", "infra"):
+    for package in WORKER_PACKAGES:
         for folder, _, files in sorted(os.walk(os.path.join(PROJECT_ROOT, package))):
             for name in sorted(file for file in files if file.endswith(".py")):
                 stat = os.stat(os.path.join(folder, name))

@@ -3,15 +3,21 @@
 ``fused_worker_class({"actor_rollout_ref": (ActorRolloutRefWorker, args, kwargs), "critic": (...)})`` builds a
 plain class whose instances hold one object per role and expose ``actor_rollout_ref_update_actor``,
 ``critic_compute_values``, ... ; each exposed method keeps its dispatch mode. The fused process also joins the
-torch.distributed group of its worker group and answers health checks.
+torch.distributed group of its worker group, answers health checks, and, once its run has ended, may serve another
+(:meth:`FusedWorkerBase.serve_again`).
 """
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import importlib
 import os
+import site
 import socket
 import sys
+import sysconfig
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +25,51 @@ from typing import Any
 from rl_core.workers.dispatch import DISPATCH_ATTRIBUTE, dispatch_mode
 
 RoleSpec = tuple[type, tuple, dict]
+PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+THREAD_PREFIX = "ppoflow-"  # the name of every thread the workers' code starts
+WORKER_PACKAGES = ("rl_core", "infra")  # the project's code a worker runs (the controller's, flows, it never imports)
+
+
+def library_folders() -> list[str]:
+    """Where code that stays put while a worker lives is found: the standard library, the site-packages folders,
+    and the workers' own packages of this project (their version is part of a standby group's shape)."""
+    paths = sysconfig.get_paths()
+    folders = [paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")]
+    folders += [*site.getsitepackages(), site.getusersitepackages()]
+    folders += [os.path.join(PROJECT_ROOT, package) for package in WORKER_PACKAGES]
+    return sorted({os.path.realpath(folder) + os.sep for folder in folders})
+
+
+def modules_from_elsewhere(folders: list[str]) -> list[str]:
+    """The imported modules with a source file or package folder outside ``folders`` (a user's module: a custom
+    reward's file, a model's ``external_lib``, code a pickled function brought); modules without one (built in, made
+    at run time) are not counted."""
+    found = []
+    for name, module in list(sys.modules.items()):
+        where = getattr(module, "__file__", None)
+        try:
+            locations = [where] if where else list(getattr(module, "__path__", None) or [])
+        except Exception:  # an odd module's __path__
+            locations = []
+        # a relative "file" names no place (torch.ops' "_ops.py")
+        real = [os.path.realpath(place) for place in locations if isinstance(place, str) and os.path.isabs(place)]
+        if any(not location.startswith(tuple(folders)) for location in real):
+            found.append(name)
+    return found
+
+
+def child_processes() -> list[int]:
+    """This process's children (Linux's /proc; none found elsewhere)."""
+    children = []
+    for pid in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                parent = stat.read().rsplit(")", 1)[1].split()[1]  # the fields after the command's name: state, ppid
+        except (OSError, IndexError):  # not a process, or one that just ended
+            continue
+        if int(parent) == os.getpid():
+            children.append(int(pid))
+    return children
 
 
 def _public_methods(cls: type) -> dict[str, Callable]:
@@ -55,6 +106,7 @@ class FusedWorkerBase:
         os.environ.update(rank_env)
         self.set_roles(role_specs)
         self.started_at = time.time()
+        self.served = 0  # runs this process served before the current one (:meth:`serve_again`)
         self.labels: dict[str, str] = dict(labels or {})
         import ray
 
@@ -64,6 +116,7 @@ class FusedWorkerBase:
                 importlib.import_module(name)
             except Exception:  # e.g. a module made at run time; the run imports what it needs anyway
                 pass
+        self.threads_at_start = {thread.ident for thread in threading.enumerate()}
 
     def set_roles(self, role_specs: dict[str, RoleSpec]) -> None:
         """Make the role objects (again) from ``role_specs``: the same roles and classes this process was made for,
@@ -95,6 +148,43 @@ class FusedWorkerBase:
         """The modules of ``packages`` (top-level names) this process has imported, in the order it imported them."""
         return [name for name in list(sys.modules) if name.partition(".")[0] in packages]
 
+    def serve_again(self, role_specs: dict[str, RoleSpec], labels: dict[str, str]) -> str:
+        """Serve no run any more, ready for the next (a standby worker again, flows/standby_workers.py): the process
+        group left, the role objects made anew from ``role_specs`` (the ended run's models, optimizers and caches
+        dropped, their memory handed back to the system), ``labels`` its only labels. Returns "" when done, else
+        why this process should serve no other run (the caller then ends it): it used a GPU or ran vLLM (dropping
+        their objects is not known to free their memory and engine processes), it imported code from outside
+        :func:`library_folders` (a user's module, which may change before the next run), or a thread or child
+        process of the ended run is still alive (a thread of its code's, THREAD_PREFIX, or any that is not a daemon)."""
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            return "it used a GPU"
+        if "vllm" in sys.modules:
+            return "it ran vLLM"
+        elsewhere = modules_from_elsewhere(library_folders())
+        if elsewhere:
+            return f"it imported {len(elsewhere)} module(s) from outside the installed libraries: {elsewhere[:3]}"
+        if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        self.set_roles(role_specs)
+        gc.collect()
+        try:
+            ctypes.CDLL(None).malloc_trim(0)  # glibc keeps freed heap memory for the process otherwise
+        except (OSError, AttributeError):  # another C library
+            pass
+        threads = [  # a library's daemon thread (tqdm's monitor) is the process's; the project names its own
+            thread.name
+            for thread in threading.enumerate()
+            if thread.ident not in self.threads_at_start
+            and (thread.name.startswith(THREAD_PREFIX) or not thread.daemon)
+        ]
+        if threads:
+            return f"a thread of the ended run is still alive: {threads[:3]}"
+        if child_processes():
+            return "a child process of the ended run is still alive"
+        self.labels, self.served = dict(labels), self.served + 1
+        return ""
+
     def health(self) -> dict[str, Any]:
         """Liveness and where the weights are: rank, pid, Ray node id, start time, labels, and each role's number of
         updates done and begun (they differ while an update runs, or after one failed half-way: the weights then match
@@ -105,6 +195,7 @@ class FusedWorkerBase:
             "pid": os.getpid(),
             "node": self.node_id,
             "started_at": self.started_at,
+            "served": self.served,
             "labels": dict(self.labels),
             "steps_trained": {role: getattr(obj, "steps_trained", None) for role, obj in self.roles.items()},
             "updates_started": {role: getattr(obj, "updates_started", None) for role, obj in self.roles.items()},

@@ -3,8 +3,13 @@ leaves one, the next run of the same shape adopts it, any other group's creation
 real workers and models."""
 
 import copy
+import importlib.util
 import json
 import os
+import subprocess
+import sys
+import threading
+import time
 
 import pytest
 import ray
@@ -26,6 +31,7 @@ from flows.workers import (
     workers_namespace,
 )
 from infra import standby
+from infra.fused_worker import child_processes, library_folders, modules_from_elsewhere
 from infra.worker_group import WorkerDiedError
 from rl_core.models.loading import load_tokenizer
 from tests.rl_core.helpers import addition_dataset
@@ -42,6 +48,16 @@ def first(config, tmp_path, ray_address, monkeypatch):
     config.trainer.cpus_per_worker = 1
     yield config
     standby.release(PREFIX)
+
+
+@pytest.fixture()
+def by_value():
+    """The functions a test sends to a worker travel by value: the worker then imports no test module (to the worker
+    that is a user's code, as the test of it shows)."""
+    module = sys.modules[__name__]
+    ray.cloudpickle.register_pickle_by_value(module)
+    yield
+    ray.cloudpickle.unregister_pickle_by_value(module)
 
 
 def another_run(config, folder, **trainer):
@@ -67,8 +83,17 @@ def sampled(group, prompts):
     return batch.tensors["responses"], actor.compute_log_prob(batch).tensors["old_log_probs"]
 
 
+def shifted(role):
+    """The role's policy changed, as an update would."""
+    with torch.no_grad():
+        for parameter in role.module.parameters():
+            parameter.add_(0.5)
+
+
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_the_next_run_of_the_same_shape_adopts_the_standby_group_and_finds_it_under_its_folder(first, tmp_path, ranks):
+def test_the_next_run_of_the_same_shape_adopts_the_standby_group_and_finds_it_under_its_folder(
+    first, tmp_path, ranks, by_value
+):
     first.trainer.n_gpus_per_node = ranks  # two: the adopter joins them in a process group of their own
     first.custom_reward_function.reward_kwargs = {"api_key": SECRET}
     tokenizer = load_tokenizer(first.actor_rollout_ref.model.path)
@@ -106,9 +131,38 @@ def test_the_next_run_of_the_same_shape_adopts_the_standby_group_and_finds_it_un
     assert standby.live_namespace(namespace) == group.namespace
     again = reattach_workers(second, namespace)
     assert again is not None and again.health()[0]["pid"] == group.health()[0]["pid"]
+
+    # the second run ends: its own workers, adopted, are the next standby group, with their models dropped (changed
+    # here as training would: a model kept would sample otherwise)
+    ray.get(
+        [actor.__ray_call__.remote(lambda worker: shifted(worker.roles["actor_rollout_ref"])) for actor in group.actors]
+    )
+    pids = [report["pid"] for report in group.health()]
+    left = leave_standby(group, second)
+    assert left.startswith(f"left {ranks} standby worker(s) in ") and "the run's own" in left, left
+    assert standby.live_namespace(namespace) == namespace  # the second run's folder has no workers any more
+    assert [report["labels"] for report in group.health()] == [{"mlflow_run_id": "standby"}] * ranks
+    assert reattach_workers(second, namespace) is None
+    third = another_run(first, tmp_path / "third")
+    reused = start_fresh_workers(third)
+    assert [report["pid"] for report in reused.health()] == pids and not standby.has_any()
+    assert [report["served"] for report in reused.health()] == [1] * ranks
+    # the second run's model was dropped: nothing loaded until the third run loads its own
+    assert (
+        ray.get(
+            [
+                actor.__ray_call__.remote(lambda worker: worker.roles["actor_rollout_ref"].module is None)
+                for actor in reused.actors
+            ]
+        )
+        == [True] * ranks
+    )
+    load_models(reused, third)
+    responses, log_probs = sampled(reused, prompts)  # as a fresh group's, to the bit
+    assert torch.equal(responses, fresh_responses) and torch.equal(log_probs, fresh_log_probs)
     # ending the run's workers by its namespace ends them where they live
-    assert kill_worker_group(namespace) == ranks
-    assert standby.live_namespace(namespace) == namespace and not standby_namespaces()
+    assert kill_worker_group(workers_namespace(third)) == ranks
+    assert standby.live_namespace(workers_namespace(third)) == workers_namespace(third) and not standby_namespaces()
 
 
 def test_a_standby_group_of_another_shape_or_whose_record_was_lost_ends_when_a_group_starts(first, tmp_path):
@@ -134,6 +188,58 @@ def test_a_standby_group_of_another_shape_or_whose_record_was_lost_ends_when_a_g
     assert not standby_namespaces() and not standby.has_any()
     with pytest.raises(WorkerDiedError):
         group.health()
+
+
+def imported_here(path):
+    """Import the file ``path`` as a module of its own, as a custom reward's file is."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    sys.modules[path.stem] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sys.modules[path.stem])
+
+
+def test_workers_that_ran_a_user_s_code_or_left_a_thread_serve_no_other_run(first, tmp_path, by_value):
+    leave_standby(start_fresh_workers(first), first)  # started in the run's own namespace: new workers in its place
+    user_module = tmp_path / "my_scores.py"
+    user_module.write_text("SCORE = 1.0\n")
+    group = start_fresh_workers(another_run(first, tmp_path / "second"))
+    used_pid = group.health()[0]["pid"]
+    ray.get(group.actors[0].__ray_call__.remote(lambda worker: imported_here(user_module)))
+    left = leave_standby(group, another_run(first, tmp_path / "second"))
+    why = "not the run's own: it imported 1 module(s) from outside the installed libraries: ['my_scores']"
+    assert f"({why})" in left, left
+    with pytest.raises(WorkerDiedError):
+        group.health()
+
+    third = another_run(first, tmp_path / "third")
+    group = start_fresh_workers(third)
+    assert group.health()[0]["pid"] != used_pid and group.health()[0]["served"] == 0
+    started = "threading.Thread(target=time.sleep, args=(60,), name='ppoflow-scores', daemon=True).start()"
+    ray.get(group.actors[0].__ray_call__.remote(lambda worker: exec(started, {"threading": threading, "time": time})))
+    left = leave_standby(group, third)
+    assert "(not the run's own: a thread of the ended run is still alive: ['ppoflow-scores'])" in left, left
+
+
+def test_modules_from_outside_the_libraries_are_a_user_s(tmp_path):
+    folders = library_folders()
+    before = modules_from_elsewhere(folders)  # this process's: the tests' modules and the controller's (flows)
+    assert "tests" in before and "flows" in before
+    assert not {"torch", "torch.ops", "transformers", "rl_core", "infra.fused_worker", "json"} & set(before)
+    (tmp_path / "scores_of_mine.py").write_text("SCORE = 1.0\n")
+    imported_here(tmp_path / "scores_of_mine.py")
+    try:
+        assert modules_from_elsewhere(folders) == [*before, "scores_of_mine"]
+    finally:
+        del sys.modules["scores_of_mine"]
+
+
+def test_a_process_s_children_are_found_while_they_live():
+    sleeping = subprocess.Popen(["sleep", "30"])
+    try:
+        assert sleeping.pid in child_processes()
+    finally:
+        sleeping.kill()
+        sleeping.wait()
+    assert sleeping.pid not in child_processes()
 
 
 def test_one_claim_per_offer_and_only_for_its_shape(ray_address):

@@ -119,6 +119,9 @@ def test_up_status_train_down(stack_env, tmp_path, demo_cache):
     after_up = ppoflow(stack_env, "train", *overrides, "trainer.experiment_name=after-up", timeout=600, cwd=work)
     assert after_up.returncode == 0, after_up.stdout[-3000:] + after_up.stderr[-3000:]
     assert "started as standby workers)" in after_up.stdout + after_up.stderr
+    # which, having served it, stay the standby workers: their processes serve the next run
+    assert "left 1 standby worker(s) in " in after_up.stdout + after_up.stderr
+    assert "the run's own, their imports done" in after_up.stdout + after_up.stderr
 
     stopped = ppoflow(stack_env, "down", timeout=120)
     assert stopped.returncode == 0 and "stopped prefect, mlflow, ray, launcher" in stopped.stdout
