@@ -64,7 +64,6 @@ from flows.workers import (
     weights_at,
     workers_namespace,
 )
-from infra import standby
 from infra.cluster import connect, is_persistent
 from infra.worker_group import WorkerDiedError, WorkerGroup, WorkerTimeoutError
 from rl_core.algos.kl import get_kl_controller
@@ -193,7 +192,7 @@ class TrainingSession:
             if built_before is not None
             else f"{time.perf_counter() - connected:.1f} s"
         )
-        standby_note = "; started as standby workers" if standby.NAMESPACE_MARK in self.group.namespace else ""
+        standby_note = "; started as standby workers" if self.group.adopted else ""
         log(
             f"set-up: Ray {connected - started:.1f} s (waited for), workers {built} "
             f"({self.group.world_size} rank(s): {', '.join(self.group.roles)}{standby_note})"

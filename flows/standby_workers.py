@@ -12,20 +12,19 @@ from __future__ import annotations
 import json
 import os
 import time
-import uuid
 from pathlib import Path
 
 import ray
 from omegaconf import DictConfig, OmegaConf
 
 from flows.workers import (
-    NAMESPACE_PREFIX,
     PREFIX,
     RUN_LABEL,
     STANDBY_LABEL,
     release_standby,
     resource_pool,
     role_specs,
+    standby_namespace,
     worker_shape,
     workers_namespace,
 )
@@ -82,12 +81,13 @@ def leave_standby(used: WorkerGroup, config: DictConfig) -> str:
 
 
 def serve_again(used: WorkerGroup, config: DictConfig) -> str:
-    """Offer the run's ``used`` group as the standby group of its shape, its processes as they are: when it is one
-    the run adopted (a group started in the run's own namespace would be found there by a later controller of the
-    run, infra/standby.py) and every worker can serve another run (:meth:`FusedWorkerBase.serve_again`: a CPU
-    worker that imported no user code and left nothing running). Returns "" when it is offered, else why not."""
+    """Offer the run's ``used`` group as the standby group of its shape, its processes as they are: when it lives in
+    a standby group's namespace (adopted, or started there on the stack, :func:`flows.workers.start_fresh_workers`; a
+    group in the run's own namespace would be found there by a later controller of the run) and every worker can
+    serve another run (:meth:`FusedWorkerBase.serve_again`: a CPU worker that imported no user code and left nothing
+    running). Returns "" when it is offered, else why not."""
     if standby.NAMESPACE_MARK not in used.namespace:
-        return "they were started for this run alone"
+        return "they were started in the run's own namespace"
     try:
         specs, labels = role_specs(config), {RUN_LABEL: STANDBY_LABEL}
         answers = ray.get([actor.serve_again.remote(specs, labels) for actor in used.actors], timeout=SERVE_AGAIN_S)
@@ -119,7 +119,7 @@ def offer_standby(config: DictConfig, imports: list[str]) -> str | None:
     offer it (infra/standby.py); an earlier one ends first. None when it is offered, else why not: no room within
     STANDBY_ROOM_S (another run holds it), or the cluster failed to start it; a run that ended is not failed by what is
     only a head start for the next."""
-    namespace = f"{NAMESPACE_PREFIX}{standby.NAMESPACE_MARK}{uuid.uuid4().hex[:12]}"
+    namespace = standby_namespace()
     try:
         release_standby()  # one at a time
         WorkerGroup.create(

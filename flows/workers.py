@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -214,11 +215,26 @@ def load_models(
 
 
 def start_fresh_workers(config: DictConfig) -> WorkerGroup:
-    """:func:`start_workers` in the run's namespace, after ending whatever group an earlier run of the same folder left
-    there; a standby group whose workers fit the run's instead when there is one (:func:`adopt_standby`)."""
+    """:func:`start_workers` for the run, after ending whatever group an earlier run of the same folder left; a standby
+    group whose workers fit the run's instead when there is one (:func:`adopt_standby`). The group starts in the run's
+    namespace, except on the ``ppoflow up`` stack: there in a standby group's, recorded as the run's as an adopted one
+    is, so that its workers may serve the next run once this one has ended (flows/standby_workers.py)."""
     namespace = workers_namespace(config)
     kill_worker_group(namespace)
-    return adopt_standby(config, namespace) or start_workers(config, namespace)
+    adopted = adopt_standby(config, namespace)
+    if adopted is not None:
+        return adopted
+    from flows.standby_workers import leaves_standby  # (that module imports this one)
+
+    if not leaves_standby():
+        return start_workers(config, namespace)
+    live = standby_namespace()
+    standby.adopt(namespace, live)
+    try:
+        return start_workers(config, live)
+    except BaseException:
+        standby.forget(namespace)
+        raise
 
 
 def build_fresh_workers(config: DictConfig, log: Callable[[str], None] = print) -> WorkerGroup:
@@ -351,6 +367,11 @@ def kill_worker_group(namespace: str) -> int:
 
 # ---------------------------------------------------------------------------------------------- standby groups
 # (left and offered by flows/standby_workers.py; adopted here, where a run gets its workers)
+def standby_namespace() -> str:
+    """A new namespace for a standby group (infra/standby.py finds such groups by its mark)."""
+    return f"{NAMESPACE_PREFIX}{standby.NAMESPACE_MARK}{uuid.uuid4().hex[:12]}"
+
+
 def release_standby() -> None:
     """End the cluster's standby groups (infra/standby.py): a group about to start may need their resources."""
     standby.release(PREFIX)
@@ -399,4 +420,5 @@ def adopt_standby(config: DictConfig, namespace: str) -> WorkerGroup | None:
         WorkerGroup.kill_named(PREFIX, live)
         standby.forget(namespace)
         return None
+    group.adopted = True
     return group

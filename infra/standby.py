@@ -3,9 +3,10 @@
 A worker process spends seconds before a run can use it: Ray starts it, it imports torch, transformers and the
 workers' code, then the model's code as the model loads. Ray binds a worker process to the job (the command) it was
 started for, so the idle processes it keeps serve no later command; a *standby* group is a detached worker group of
-its own namespace, with nothing loaded, that any later command may adopt: started for that, or a group a run adopted,
-kept once that run has ended (flows/standby_workers.py decides when one is left, flows/workers.py which runs fit it).
-It holds its resources like any group: a command that makes a group of another shape ends it first (:func:`release`).
+its own namespace, with nothing loaded, that any later command may adopt: started for that, or the group of a run on
+the stack, kept once that run has ended (flows/standby_workers.py decides when one is left, flows/workers.py which
+runs fit it). It holds its resources like any group: a command that makes a group of another shape ends it first
+(:func:`release`).
 
 Ray's internal key-value store (it lives and dies with the cluster) records
 * ``standby/<shape>/<namespace>``: a standby group and the shape of worker it offers; claimed by deleting the key

@@ -76,6 +76,7 @@ class WorkerGroup:
         self.fused_class = fused_worker_class(role_specs)
         self.roles = list(role_specs)
         self.nodes: dict[str, str] = {}  # worker name -> Ray node id, as the last health check saw it
+        self.adopted = False  # a standby group this process adopted (infra/standby.py), not one it started
 
     @property
     def world_size(self) -> int:

@@ -16,7 +16,7 @@ import ray
 import torch
 from omegaconf import OmegaConf
 
-from flows import workers
+from flows import standby_workers, workers
 from flows.standby_workers import leave_standby, leaves_standby
 from flows.workers import (
     PREFIX,
@@ -195,6 +195,22 @@ def imported_here(path):
     spec = importlib.util.spec_from_file_location(path.stem, path)
     sys.modules[path.stem] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sys.modules[path.stem])
+
+
+def test_on_the_stack_a_run_s_new_workers_start_as_a_standby_group_recorded_as_the_run_s(first, tmp_path, monkeypatch):
+    # the session's Ray head stands in for the stack's here (tests/infra/test_stack.py runs the stack's end to end)
+    monkeypatch.setattr(standby_workers, "leaves_standby", lambda: True)
+    namespace = workers_namespace(first)
+    group = start_fresh_workers(first)
+    assert group.namespace in standby_namespaces() and not group.adopted and not standby.has_any()
+    assert standby.live_namespace(namespace) == group.namespace  # the run's, as an adopted group
+    assert reattach_workers(first, namespace).health()[0]["pid"] == group.health()[0]["pid"]
+    pid = group.health()[0]["pid"]
+    left = leave_standby(group, first)
+    assert "the run's own, their imports done" in left and standby.live_namespace(namespace) == namespace, left
+    adopted = start_fresh_workers(another_run(first, tmp_path / "second"))
+    assert adopted.adopted and adopted.namespace == group.namespace and adopted.health()[0]["pid"] == pid
+    kill_worker_group(workers_namespace(another_run(first, tmp_path / "second")))
 
 
 def test_workers_that_ran_a_user_s_code_or_left_a_thread_serve_no_other_run(first, tmp_path, by_value):

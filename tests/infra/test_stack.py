@@ -79,8 +79,9 @@ def test_up_status_train_down(stack_env, tmp_path, demo_cache):
     assert [run["name"] for run in flow_runs] and all(run["state_type"] == "COMPLETED" for run in flow_runs)
     assert (work / "checkpoints" / "ppoflow" / "demo" / "global_step_1" / "actor").is_dir()
     views_of_the_run(ports, flow_runs[0]["id"], result)
-    # it ended by leaving a started worker group of its shape on the stack, for the next run
+    # it ended by leaving its worker group on the stack (started as a standby group's), for the next run
     assert "left 1 standby worker(s) in " in trained.stdout + trained.stderr
+    assert "the run's own, their imports done" in trained.stdout + trained.stderr
 
     # Ctrl-C reaches a run in the launcher's process: the command passes SIGINT on, the run stops as in a process of
     # its own (exit 130, its MLflow run KILLED). Its workers are the standby ones the first run left
