@@ -19,7 +19,9 @@ What RL needs of a model that pretraining checkpoints do not give, set here and 
 * plain generation defaults: a checkpoint's ``generation_config.json`` (Qwen2.5-Instruct's repetition penalty, its
   temperature, top-p) would change how the rollout samples; only its token ids are kept;
 * a tokenizer with more tokens than the embedding has rows (:mod:`rl_core.models.vocabulary`): said once, with both
-  sizes; refused when a special token lies past the rows.
+  sizes; refused when a special token lies past the rows;
+* what a load makes anew (a critic's value head, LoRA's adapters, weights a checkpoint lacks) drawn from one fixed
+  seed (:func:`seeded_init`), so that a run repeats.
 
 Every loader passes :data:`NO_HUB_KERNELS`: with the ``kernels`` package installed (a dependency of transformers 5),
 ``from_pretrained`` would swap layers (RMSNorm, activations, RoPE on CUDA) for kernels it downloads from the Hugging
@@ -30,10 +32,11 @@ Face Hub and runs (remote code without ``trust_remote_code``), and would re-kern
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.util
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -342,6 +345,24 @@ def check_model_vocabulary(model: torch.nn.Module, tokenizer: PreTrainedTokenize
         ),
         stacklevel=2,
     )
+
+
+INIT_SEED = 0  # what model loads draw new parameters from (:func:`seeded_init`)
+
+
+def seeded_init(init_model: Callable) -> Callable:
+    """``init_model`` (a worker role's) with torch's generators seeded with INIT_SEED while it runs, and as they were
+    after: the parameters a load initialises (a critic's new value head, LoRA's adapters, weights missing from a
+    checkpoint) are the same in every run, rank and process. torch seeds a new process's generator at random, so
+    without it two runs of one config differed from their first critic value on."""
+
+    @functools.wraps(init_model)
+    def seeded(*args: Any, **kwargs: Any) -> Any:
+        with torch.random.fork_rng():
+            torch.manual_seed(INIT_SEED)
+            return init_model(*args, **kwargs)
+
+    return seeded
 
 
 @contextlib.contextmanager

@@ -55,6 +55,7 @@ from rl_core.models.loading import (
     load_policy_processor,
     load_warnings,
     padding_free_works,
+    seeded_init,
 )
 from rl_core.models.logprob import response_log_probs
 from rl_core.models.lora import adapter_disabled, apply_lora, uses_lora
@@ -119,6 +120,7 @@ class ActorRolloutRefWorker:
 
     # ------------------------------------------------------------------ set-up
     @dispatch(ONE_TO_ALL)
+    @seeded_init
     def init_model(self) -> list[str]:
         """Load the policy (+LoRA) with its optimizer, the reference policy and the rollout engine, as the role needs;
         returns what loading changed or could not use (:class:`rl_core.models.loading.ModelLoadWarning`), for the log.

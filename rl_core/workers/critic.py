@@ -16,7 +16,7 @@ from rl_core.batch import Batch
 from rl_core.batch_fields import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSE_MASK, RESPONSES, RETURNS, VALUES
 from rl_core.device import autocast, compute_dtype, on_worker_device
 from rl_core.models.flops import update_mfu
-from rl_core.models.loading import load_warnings, padding_free_works
+from rl_core.models.loading import load_warnings, padding_free_works, seeded_init
 from rl_core.models.logprob import response_values
 from rl_core.models.lora import apply_lora
 from rl_core.models.optim import build_lr_scheduler, build_optimizer
@@ -38,6 +38,7 @@ class CriticWorker:
         self.updates_started = 0  # updates begun (see ActorRolloutRefWorker)
 
     @dispatch(ONE_TO_ALL)
+    @seeded_init
     def init_model(self) -> list[str]:
         """Load the critic (+LoRA) and its optimizer; returns what loading changed or could not use, for the log."""
         with load_warnings() as notes:

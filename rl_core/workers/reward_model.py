@@ -24,7 +24,14 @@ from rl_core.batch_fields import (
     RM_SCORES,
 )
 from rl_core.device import on_worker_device
-from rl_core.models.loading import NO_HUB_KERNELS, load_hf_config, load_tokenizer, local_model_path, torch_dtype
+from rl_core.models.loading import (
+    NO_HUB_KERNELS,
+    load_hf_config,
+    load_tokenizer,
+    local_model_path,
+    seeded_init,
+    torch_dtype,
+)
 from rl_core.workers.dispatch import DP_COMPUTE, ONE_TO_ALL, dispatch
 
 
@@ -35,6 +42,7 @@ class RewardModelWorker:
         self.model_config = config.model
 
     @dispatch(ONE_TO_ALL)
+    @seeded_init
     def init_model(self) -> None:
         path = self.model_config.path
         trust_remote_code = bool(self.model_config.trust_remote_code)
