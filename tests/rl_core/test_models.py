@@ -27,6 +27,7 @@ from rl_core.models.loading import ModelLoadError, load_hf_config, load_policy_m
 from rl_core.models.lora import adapter_disabled, apply_lora
 from rl_core.models.optim import apply_optim_settings, build_lr_scheduler, build_optimizer, lr_multiplier
 from rl_core.models.value_head import ValueHeadModel, load_critic_model
+from rl_core.workers import ActorRolloutRefWorker, CriticWorker
 from tests.rl_core.helpers import checkpoints_activations
 
 
@@ -273,3 +274,22 @@ def test_a_restore_takes_the_configs_optimizer_settings_and_keeps_the_moments():
         assert all(torch.equal(a, b["exp_avg"]) for a, b in zip(moments, saved_optimizer.state.values()))
         scheduler.step()  # the schedule goes on from the new base learning rate
         assert group["lr"] == pytest.approx(float(new.lr) * lr_multiplier(4, "cosine", 1, new.total_training_steps))
+
+
+def test_what_a_load_makes_anew_is_the_same_in_every_process_and_leaves_torch_s_generator_alone(config):
+    """A critic's new value head and LoRA's adapters: torch seeds a new process's generator at random, which the
+    generator's state drawn on between two loads stands in for here."""
+    config.actor_rollout_ref.model.lora_rank = 4
+    made = []
+    for _ in range(2):
+        torch.rand(100)  # another process's generator
+        before = torch.random.get_rng_state()
+        critic, actor = CriticWorker(config.critic), ActorRolloutRefWorker(config.actor_rollout_ref, "actor")
+        critic.init_model()
+        actor.init_model()
+        assert torch.equal(torch.random.get_rng_state(), before)  # a run's later draws are its own
+        new = {f"critic.{k}": v for k, v in critic.module.state_dict().items() if "score" in k}
+        new |= {f"actor.{k}": v for k, v in actor.module.state_dict().items() if "lora_A" in k}
+        made.append(new)
+    assert any(k.startswith("critic.") for k in made[0]) and any(k.startswith("actor.") for k in made[0])
+    assert made[0].keys() == made[1].keys() and all(torch.equal(made[0][k], made[1][k]) for k in made[0])
