@@ -89,8 +89,7 @@ def serve_again(used: WorkerGroup, config: DictConfig) -> str:
     if standby.NAMESPACE_MARK not in used.namespace:
         return "they were started in the run's own namespace"
     try:
-        specs, labels = role_specs(config), {RUN_LABEL: STANDBY_LABEL}
-        answers = ray.get([actor.serve_again.remote(specs, labels) for actor in used.actors], timeout=SERVE_AGAIN_S)
+        answers = used.serve_again(role_specs(config), {RUN_LABEL: STANDBY_LABEL}, SERVE_AGAIN_S)
     except Exception as error:  # a rank gone, or still busy
         return f"{type(error).__name__}: {error}"[:200]
     why_not = next((answer for answer in answers if answer), "")

@@ -193,6 +193,12 @@ class WorkerGroup:
         started before its run's config was final gets the final one before it loads its models."""
         self._wait([actor.set_roles.remote(role_specs) for actor in self.actors], "set roles", timeout_s, self.names)
 
+    def serve_again(self, role_specs: dict[str, RoleSpec], labels: dict[str, str], timeout_s: float) -> list[str]:
+        """Make every rank ready for another run (:meth:`infra.fused_worker.FusedWorkerBase.serve_again`); returns
+        what keeps each from it ("" where nothing does)."""
+        refs = [actor.serve_again.remote(role_specs, labels) for actor in self.actors]
+        return self._wait(refs, "serve again", timeout_s, self.names)
+
     def label(self, labels: dict[str, str], timeout_s: float = 10.0) -> None:
         """Label every rank (their health reports carry the labels: which run the group serves)."""
         self._wait([actor.set_labels.remote(labels) for actor in self.actors], "label", timeout_s, self.names)
